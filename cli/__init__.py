@@ -1,0 +1,1 @@
+"""The `nmt` command-line interface: one small Typer module per subcommand."""

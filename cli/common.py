@@ -1,0 +1,57 @@
+"""What every subcommand shares: error-to-exit-code mapping and stderr messages."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from typing import NoReturn
+
+import typer
+from rich.console import Console
+
+from nmt.errors import NmtError
+
+# Messages and progress bars go to stderr; stdout carries data only.
+console = Console(stderr=True, highlight=False)
+
+EXIT_INTERRUPTED = 130
+
+
+def fail(command: str, message: str, code: int) -> NoReturn:
+    """Print `nmt COMMAND: error: MESSAGE` on one line of stderr and exit with `code`."""
+    text = " ".join(str(message).split("\n"))
+    sys.stderr.write(f"nmt {command}: error: {text}\n")
+    sys.stderr.flush()
+    raise typer.Exit(code)
+
+
+def warn(command: str, message: str) -> None:
+    """One warning line on stderr."""
+    sys.stderr.write(f"nmt {command}: warning: {message}\n")
+    sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def handle_errors(command: str) -> Iterator[None]:
+    """Map library errors to one-line messages and exit codes; Ctrl-C and closed pipes
+    end quietly (130 and 0); anything else is a bug and keeps its traceback."""
+    try:
+        yield
+    except NmtError as err:
+        fail(command, str(err), err.exit_code)
+    except KeyboardInterrupt:
+        sys.stderr.write(f"nmt {command}: interrupted\n")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except BrokenPipeError:
+        # `nmt translate | head`: the reader left. Point stdout at /dev/null so the
+        # interpreter's final flush does not raise again, and exit quietly.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        raise typer.Exit(0) from None
+
+
+def not_built(command: str, issue: str) -> NoReturn:
+    """Refuse clearly for a command that is not implemented yet (exit 2)."""
+    fail(command, f"not built yet (tracked in {issue}); nothing was done", 2)

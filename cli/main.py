@@ -1,0 +1,55 @@
+"""The Typer app: `nmt prep|bpe|train|average|translate|score`."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from cli import average, bpe, prep, score, train, translate
+from nmt import __version__
+
+app = typer.Typer(
+    name="nmt",
+    help="Neural machine translation with the Transformer of 'Attention Is All You Need': "
+    "prep -> bpe -> train -> average -> translate -> score.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+app.command("prep", help="Download, extract and clean a recipe's corpora.")(prep.command)
+app.command("bpe", help="Learn joint sentencepiece BPE and binarize every split.")(bpe.command)
+app.command("train", help="Train a Transformer on binarized data.")(train.command)
+app.command("average", help="Average the parameters of several checkpoints.")(average.command)
+app.command("translate", help="Translate lines from stdin (or -i) with beam search.")(
+    translate.command)
+app.command("score", help="Score hypotheses against references (sacreBLEU, paper BLEU).")(
+    score.command)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"nmt {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """Neural machine translation toolkit."""
+
+
+def main() -> None:
+    """Console-script entry point: UTF-8 everywhere, then the Typer app."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(encoding="utf-8", errors="replace")
+    app()
+
+
+if __name__ == "__main__":
+    main()

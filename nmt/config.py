@@ -1,0 +1,193 @@
+"""Frozen configuration dataclasses: the one place every default lives.
+
+Defaults are the paper's (Vaswani et al. 2017, see PAPER.md); a recipe overrides them, and
+CLI flags override the recipe. `ModelConfig` is stored in every checkpoint and is enough to
+rebuild the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from nmt.errors import UsageError
+
+Precision = Literal["fp32", "bf16", "fp16"]
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Transformer shape and regularisation; every Table 3 knob is a field."""
+
+    vocab_size: int = 37000
+    encoder_layers: int = 6
+    decoder_layers: int = 6
+    d_model: int = 512
+    d_ff: int = 2048
+    heads: int = 8
+    d_k: int | None = None  # None: d_model // heads (Table 3 rows A/B vary it)
+    d_v: int | None = None  # None: d_model // heads
+    dropout: float = 0.1  # residual dropout and dropout on embeddings + positions
+    attention_dropout: float = 0.0  # dropout on attention weights (not in the paper)
+    activation_dropout: float = 0.0  # dropout after the FFN ReLU (not in the paper)
+    learned_positions: bool = False  # Table 3 row E
+    max_positions: int = 1024  # longest sequence (tokens incl. EOS) the model accepts
+    pre_norm: bool = False  # False: post-norm LayerNorm(x + Dropout(Sublayer(x))) as published
+    pad_id: int = 0
+
+    @property
+    def head_dim_k(self) -> int:
+        """Per-head query/key size."""
+        return self.d_k if self.d_k is not None else self.d_model // self.heads
+
+    @property
+    def head_dim_v(self) -> int:
+        """Per-head value size."""
+        return self.d_v if self.d_v is not None else self.d_model // self.heads
+
+    def __post_init__(self) -> None:
+        _check_positive(self, ("vocab_size", "encoder_layers", "decoder_layers", "d_model",
+                               "d_ff", "heads", "max_positions"))
+        if self.d_k is None and self.d_model % self.heads:
+            raise UsageError(f"d_model {self.d_model} is not divisible by heads {self.heads}; "
+                             "pick another head count or set d_k/d_v")
+        for name in ("dropout", "attention_dropout", "activation_dropout"):
+            _check_probability(name, getattr(self, name))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (ints, floats, bools, None) for checkpoints and logs."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """Rebuild from `to_dict()` output; unknown keys are an error, not ignored."""
+        return _from_dict(cls, data)
+
+
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    # For unit tests: trains in seconds on a CPU.
+    "tiny": dict(encoder_layers=2, decoder_layers=2, d_model=64, d_ff=128, heads=4,
+                 dropout=0.0),
+    # The CPU / Multi30k size (issue: 3+3 layers, d_model 256, d_ff 1024, 4 heads).
+    "small": dict(encoder_layers=3, decoder_layers=3, d_model=256, d_ff=1024, heads=4,
+                  dropout=0.1),
+    # The paper's Table 3 rows "base" and "big" (big uses P_drop 0.3 for En-De).
+    "base": dict(encoder_layers=6, decoder_layers=6, d_model=512, d_ff=2048, heads=8,
+                 dropout=0.1),
+    "big": dict(encoder_layers=6, decoder_layers=6, d_model=1024, d_ff=4096, heads=16,
+                dropout=0.3),
+}
+
+
+def model_preset(name: str, **overrides: Any) -> ModelConfig:
+    """ModelConfig of preset `name` with `overrides` (None values are ignored)."""
+    if name not in MODEL_PRESETS:
+        raise UsageError(f"unknown arch {name!r}; choose one of: {', '.join(MODEL_PRESETS)}")
+    values = dict(MODEL_PRESETS[name])
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return ModelConfig(**values)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation, batching, precision, checkpointing and logging settings."""
+
+    seed: int = 1
+    # Optimiser and schedule (section 5.3): Adam(0.9, 0.98, 1e-9), inverse sqrt with warmup.
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-9
+    lr_scale: float = 1.0  # multiplies d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
+    warmup: int = 4000
+    weight_decay: float = 0.0
+    clip_norm: float = 0.0  # 0: no gradient clipping (the paper uses none)
+    label_smoothing: float = 0.1
+    # Batching (section 5.1): ~25000 source + 25000 target tokens per update.
+    max_tokens: int = 4096  # per process per micro-batch, padding included
+    update_freq: int = 1  # micro-batches accumulated per update
+    batch_tokens: int | None = None  # e.g. 25000: derive update_freq from world size
+    max_len: int = 256  # training pairs with a longer side (tokens incl. EOS) are skipped
+    precision: Precision = "fp32"
+    # Length of training (totals, not increments: a resumed run stops at the same place).
+    max_updates: int = 100_000
+    max_epochs: int = 0  # 0: no limit
+    max_minutes: float = 0.0  # 0: no limit
+    # Checkpoints (section 6: every 10 minutes, average the last 5 / 20).
+    save_interval_minutes: float = 10.0
+    save_interval_updates: int = 0  # 0: only time-based saves
+    keep_last: int = 20
+    # Validation and logging.
+    valid_interval: int = 1000
+    valid_bleu: bool = False
+    log_interval: int = 50
+    max_nonfinite_in_a_row: int = 20  # stop with an error after this many skipped steps
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise UsageError(f"unknown precision {self.precision!r}; "
+                             f"choose one of: {', '.join(PRECISIONS)}")
+        _check_positive(self, ("warmup", "max_tokens", "update_freq", "max_len", "keep_last",
+                               "valid_interval", "log_interval", "max_nonfinite_in_a_row"))
+        _check_probability("label_smoothing", self.label_smoothing)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for checkpoints and logs."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        """Rebuild from `to_dict()` output; unknown keys are an error."""
+        return _from_dict(cls, data)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Search settings; the defaults are the paper's (section 6.1)."""
+
+    beam: int = 4
+    alpha: float = 0.6  # GNMT length penalty exponent; larger favours longer output
+    max_len_a: float = 0.0  # max output length = a * source length + b
+    max_len_b: int = 50
+    nbest: int = 1
+    sampling: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0: no top-k filter
+    top_p: float = 1.0  # 1.0: no nucleus filter
+    max_tokens: int = 8192  # source tokens per translation batch, padding included
+    buffer_size: int = 2000  # lines read ahead and length-sorted before batching
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_positive(self, ("beam", "nbest", "max_tokens", "buffer_size"))
+        if self.nbest > self.beam and not self.sampling:
+            raise UsageError(f"--nbest {self.nbest} exceeds --beam {self.beam}; "
+                             "raise the beam or lower nbest")
+        if self.alpha < 0:
+            raise UsageError(f"--alpha must be >= 0, got {self.alpha}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.temperature <= 0:
+            raise UsageError(f"--temperature must be > 0, got {self.temperature}")
+
+
+def _check_positive(obj: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value <= 0:
+            raise UsageError(f"{name.replace('_', '-')} must be positive, got {value}")
+
+
+def _check_probability(name: str, value: float) -> None:
+    if not 0.0 <= value < 1.0:
+        raise UsageError(f"{name.replace('_', '-')} must be in [0, 1), got {value}")
+
+
+def _from_dict(cls: type, data: dict[str, Any]) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise UsageError(f"unknown {cls.__name__} keys: {', '.join(unknown)}; "
+                         f"valid keys: {', '.join(sorted(known))}")
+    return cls(**data)

@@ -1,0 +1,33 @@
+"""Shared fixtures: where the real parallel data lives, and a clean CLI runner."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# Real data sits beside the project, never inside it (see ../shared/data/README.md).
+SHARED_DATA = Path(os.environ.get("NMT_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+
+def shared_data_path(*parts: str) -> Path:
+    """Path under ../shared/data, skipping the calling test with a reason if it is absent."""
+    path = SHARED_DATA.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"real data not found at {path} (expected ../shared/data beside the repo; "
+                    "set NMT_SHARED_DATA to its location)")
+    return path
+
+
+@pytest.fixture
+def multi30k_dir() -> Path:
+    """../shared/data/multi30k: train/val/test_2016_flickr .en/.de, untokenized."""
+    return shared_data_path("multi30k")
+
+
+@pytest.fixture
+def wmt14_dir() -> Path:
+    """../shared/data/wmt14: newstest2013/2014 plain text and the 2014 SGML."""
+    return shared_data_path("wmt14")

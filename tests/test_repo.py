@@ -1,0 +1,77 @@
+"""Repository-level invariants: CLI surface, layering, and README <-> CI agreement."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+COMMANDS = ("prep", "bpe", "train", "average", "translate", "score")
+
+
+def _nmt(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True,
+                          text=True, cwd=REPO, timeout=120)
+
+
+def test_help_lists_every_subcommand() -> None:
+    result = _nmt("--help")
+    assert result.returncode == 0, result.stderr
+    for name in COMMANDS:
+        assert re.search(rf"^\W*{name}\s", result.stdout, re.MULTILINE), name
+
+
+def test_version() -> None:
+    from nmt import __version__
+
+    result = _nmt("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"nmt {__version__}"
+
+
+def test_every_option_help_shows_its_default() -> None:
+    """Each option that takes a value and has a default says so in --help."""
+    for name in COMMANDS:
+        result = _nmt(name, "--help")
+        assert result.returncode == 0, (name, result.stderr)
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_library_never_imports_the_cli() -> None:
+    """Dependencies point one way: cli -> nmt."""
+    for path in (REPO / "nmt").rglob("*.py"):
+        bad = {m for m in _imports(path) if m == "cli" or m.startswith("cli.") or m == "typer"}
+        assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
+
+
+def test_model_and_search_know_nothing_about_files_or_recipes() -> None:
+    forbidden = ("nmt.recipes", "nmt.data", "nmt.prep", "nmt.translate", "nmt.checkpoint",
+                 "nmt.train", "urllib", "tarfile", "gzip", "sacrebleu", "rich")
+    for name in ("model.py", "search.py"):
+        path = REPO / "nmt" / name
+        if not path.exists():
+            continue
+        bad = {m for m in _imports(path) if m.startswith(forbidden)}
+        assert not bad, f"nmt/{name} imports {sorted(bad)}"
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```(?:sh|bash)?\n(.*?)```", readme, re.DOTALL)
+    assert len(blocks) >= 2, "README must open with two command blocks"
+    test_command = blocks[1].strip()
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    assert test_command in ci, "the README's test command must appear verbatim in .ci/run"
