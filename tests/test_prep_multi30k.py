@@ -1,0 +1,65 @@
+"""`nmt prep multi30k-en-de` from gzipped and from plain mirrors of the real files."""
+
+from __future__ import annotations
+
+import gzip
+
+import pytest
+from fixtures_wmt import build_multi30k_mirror
+
+from nmt.errors import DownloadError, IntegrityError
+from nmt.prep import prepare
+
+
+def test_gzipped_mirror_gives_exact_test_and_valid(tmp_path, multi30k_dir):
+    mirror = build_multi30k_mirror(tmp_path / "mirror")
+    manifest = prepare("multi30k-en-de", tmp_path / "out", mirror, workers=1)
+    out = tmp_path / "out"
+    assert (out / "test.src").read_bytes() == (multi30k_dir / "test_2016_flickr.en").read_bytes()
+    assert (out / "test.tgt").read_bytes() == (multi30k_dir / "test_2016_flickr.de").read_bytes()
+    assert len((out / "test.tgt").read_bytes().split(b"\n")) == 1001  # 1,000 lines
+    assert (out / "valid.tgt").read_bytes() == (multi30k_dir / "val.de").read_bytes()
+    assert manifest["splits"]["train"]["lines"] == 29000
+    assert manifest["splits"]["test"]["lines"] == 1000
+    assert manifest["archives"]["train-en"]["verified"]["content_sha256"]
+    assert not manifest["archives"]["train-en"]["uncompressed_copy"]
+    # Cleaning normalized punctuation in train only.
+    assert b"\xe2\x80\x9e" not in (out / "train.tgt").read_bytes()  # German „ became "
+
+
+def test_plain_mirror_is_accepted(tmp_path, multi30k_dir):
+    manifest = prepare("multi30k-en-de", tmp_path / "out", multi30k_dir, workers=1)
+    assert manifest["archives"]["test-de"]["uncompressed_copy"]
+    assert (tmp_path / "out/test.tgt").read_bytes() == \
+        (multi30k_dir / "test_2016_flickr.de").read_bytes()
+
+
+def test_corrupt_gzip_in_mirror(tmp_path, multi30k_dir):
+    mirror = build_multi30k_mirror(tmp_path / "mirror")
+    data = (mirror / "val.de.gz").read_bytes()
+    (mirror / "val.de.gz").write_bytes(data[: len(data) // 2])
+    with pytest.raises(IntegrityError, match=r"val.de.gz: corrupt or truncated gzip"):
+        prepare("multi30k-en-de", tmp_path / "out", mirror)
+    assert not (tmp_path / "out").exists()
+
+
+def test_wrong_content_is_checksum_mismatch(tmp_path, multi30k_dir):
+    mirror = build_multi30k_mirror(tmp_path / "mirror")
+    (mirror / "val.de.gz").write_bytes(gzip.compress(b"not the real file\n"))
+    with pytest.raises(IntegrityError, match=r"val.de.gz: content sha256 mismatch"):
+        prepare("multi30k-en-de", tmp_path / "out", mirror)
+    assert not (tmp_path / "out").exists()
+
+
+def test_mirror_missing_files_lists_names_and_urls(tmp_path, multi30k_dir):
+    mirror = build_multi30k_mirror(tmp_path / "mirror")
+    (mirror / "train.de.gz").unlink()
+    (mirror / "test_2016_flickr.en.gz").unlink()
+    with pytest.raises(DownloadError) as err:
+        prepare("multi30k-en-de", tmp_path / "out", mirror)
+    message = str(err.value)
+    assert "lacks 2 file(s)" in message and str(mirror) in message
+    for name in ("train.de.gz", "test_2016_flickr.en.gz"):
+        assert f"{name} (or {name[:-3]}) <- https://github.com/multi30k/dataset/raw/" \
+               f"master/data/task1/raw/{name}" in message
+    assert not (tmp_path / "out").exists()

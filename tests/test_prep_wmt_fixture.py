@@ -1,0 +1,72 @@
+"""`nmt prep wmt14-en-de` on fixture archives with the real WMT layout and SGML."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, shared_data_path
+from fixtures_wmt import BAD_PAIRS, build_wmt14_mirror, recipe_copy
+
+from nmt.errors import IntegrityError
+from nmt.prep import prepare
+
+
+@pytest.fixture(scope="module")
+def mirror(tmp_path_factory):
+    return build_wmt14_mirror(tmp_path_factory.mktemp("wmt14-mirror"), n_train=200)
+
+
+def test_wmt14_fixture_end_to_end_and_idempotent(tmp_path, mirror):
+    wmt = shared_data_path("wmt14")
+    recipe = recipe_copy("wmt14-en-de", tmp_path / "wmt14-en-de.toml", mirror)
+    out = tmp_path / "out"
+    manifest = prepare(str(recipe), out, mirror, workers=1)
+    for split, name in (("test", "newstest2014"), ("valid", "newstest2013")):
+        assert (out / f"{split}.src").read_bytes() == (wmt / f"{name}.en").read_bytes()
+        assert (out / f"{split}.tgt").read_bytes() == (wmt / f"{name}.de").read_bytes()
+    assert manifest["splits"]["test"]["lines"] == 3003
+    counts = manifest["splits"]["train"]["cleaning_counts"]
+    per = len(BAD_PAIRS) + 1 + 200
+    assert counts["total"]["input"] == 3 * per
+    assert counts["total"]["after_empty"] == 3 * (per - 1)
+    assert counts["total"]["after_max_words"] == 3 * (per - 2)
+    assert counts["total"]["output"] == manifest["splits"]["train"]["lines"]
+    train_src = (out / "train.src").read_text("utf-8").splitlines()
+    assert 'A man rides a "horse" .' in train_src
+    assert len(train_src) == manifest["splits"]["train"]["lines"]
+    on_disk = json.loads((out / "manifest.json").read_text("utf-8"))
+    assert on_disk["vocab_size"] == 37000 and on_disk["src_lang"] == "en"
+    assert on_disk["archives"]["test-full"]["verified"]["sha256"]
+    # Second run: every step is finished, nothing is rewritten.
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.is_file()}
+    prepare(str(recipe), out, mirror, workers=1)
+    assert stamps == {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.is_file()}
+    # A damaged output is noticed and only that split is redone.
+    (out / "valid.tgt").write_text("damaged\n")
+    prepare(str(recipe), out, mirror, workers=1)
+    assert (out / "valid.tgt").read_bytes() == (wmt / "newstest2013.de").read_bytes()
+    assert (out / "train.src").stat().st_mtime_ns == stamps["train.src"]
+
+
+def test_shipped_recipe_checks_sacrebleu_md5_of_test_full(tmp_path, mirror):
+    with pytest.raises(IntegrityError, match="test-full.tgz: md5 mismatch"):
+        prepare("wmt14-en-de", tmp_path / "out", mirror)
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_wmt14_fixture_with_workers(tmp_path, mirror):
+    recipe = recipe_copy("wmt14-en-de", tmp_path / "wmt14-en-de.toml", mirror)
+    out = tmp_path / "cli-out"
+    env = {**os.environ, "NMT_MIRROR": str(mirror)}
+    run = subprocess.run([sys.executable, "-m", "cli.main", "prep", str(recipe), "-o",
+                          str(out), "--workers", "2"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == ""
+    assert "test 3003" in run.stderr
+    wmt = shared_data_path("wmt14")
+    assert (out / "test.tgt").read_bytes() == (wmt / "newstest2014.de").read_bytes()
