@@ -1,10 +1,31 @@
-"""`nmt bpe`: not built yet."""
+"""`nmt bpe DATA`: learn the joint sentencepiece BPE model and binarize every split."""
 
 from __future__ import annotations
 
-from cli.common import not_built
+from pathlib import Path
+
+import typer
+
+from cli.common import console, handle_errors
+from nmt.bpe import BpeConfig, run_bpe
+
+_DEFAULTS = BpeConfig()
 
 
-def command() -> None:
-    """Not built yet."""
-    not_built("bpe", "its issue")
+def command(
+    data: Path = typer.Argument(..., help="DATA directory written by `nmt prep` "
+                                "(train/valid/test .src/.tgt, manifest.json)."),
+    vocab_size: int | None = typer.Option(None, "--vocab-size", show_default="the recipe's, from "
+                                   "DATA/manifest.json",
+                                   help="Number of pieces in the joint vocabulary."),
+    sample: int = typer.Option(_DEFAULTS.sample, "--sample", show_default=True,
+                               help="Lines (source and target together) sampled to train "
+                               "BPE; 0 = every line."),
+    threads: int = typer.Option(_DEFAULTS.threads, "--threads", show_default=True,
+                                help="Threads for training and encoding; 0 = all cores."),
+) -> None:
+    """Learn DATA/spm.model over train.src + train.tgt, then write DATA/bin/*.npy."""
+    with handle_errors("bpe"):
+        cfg = BpeConfig(vocab_size=vocab_size, sample=sample, threads=threads)
+        run_bpe(data, cfg, report=lambda message: console.print(f"nmt bpe: {message}",
+                                                                markup=False, soft_wrap=True))

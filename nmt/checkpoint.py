@@ -8,41 +8,17 @@ checkpoints add `optimizer`, `scheduler`, `scaler`, `rng`, `data_state`, `train_
 
 from __future__ import annotations
 
-import os
-import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from nmt.errors import CheckpointError, DataError
+from nmt.fileio import atomic_write_bytes
 
 FORMAT = "nmt-checkpoint-v1"
 REQUIRED_KEYS = ("format", "step", "model_config", "vocab", "model")
-
-
-def atomic_write_bytes(path: Path, write: Any) -> None:
-    """Call `write(fileobj)` on a temp file beside `path`, fsync, then rename over `path`.
-
-    Readers see either the old file or the complete new one, never a partial write; on
-    any error the temp file is removed and the old file is untouched.
-    """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def save_checkpoint(payload: dict[str, Any], path: Path) -> None:
@@ -58,13 +34,20 @@ def save_checkpoint(payload: dict[str, Any], path: Path) -> None:
                               "is intact") from err
 
 
-def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load a checkpoint safely (weights_only) and check its format and keys."""
+def load_checkpoint(path: Path, map_location: str | torch.device = "cpu",
+                    mmap: bool = False) -> dict[str, Any]:
+    """Load a checkpoint safely (weights_only) and check its format and keys.
+
+    `mmap=True` maps tensor storages lazily instead of reading them (cheap metadata scans).
+    """
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such checkpoint file")
     try:
-        payload = torch.load(path, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():  # e.g. "pickle protocol 4": the error says enough
+            warnings.simplefilter("ignore")
+            payload = torch.load(path, map_location=map_location, weights_only=True,
+                                 mmap=mmap)
     except Exception as err:  # UnpicklingError, RuntimeError (zip), EOFError, ...
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"{path}: refused to load: not a safe nmt checkpoint "

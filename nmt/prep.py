@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from nmt import __version__
-from nmt.data import atomic_output, sha256_file
 from nmt.data.clean import Counts, clean_pairs, without_line_breaks
 from nmt.data.download import (
     LocalFile,
@@ -30,6 +29,7 @@ from nmt.data.download import (
 )
 from nmt.data.extract import extract_members, read_lines
 from nmt.errors import DataError
+from nmt.fileio import atomic_output, sha256_file
 from nmt.recipes import SPLITS, Corpus, Recipe, Source, load_recipe
 
 MANIFEST = "manifest.json"

@@ -6,12 +6,14 @@ source = pieces + [EOS]; decoder input = [BOS] + pieces; decoder output = pieces
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import sentencepiece as spm
 
-from nmt.errors import DataError
+from nmt.errors import DataError, UsageError
+from nmt.fileio import atomic_write_bytes
 
 PAD_ID = 0
 UNK_ID = 1
@@ -59,3 +61,91 @@ class Vocab:
     def pieces(self, ids: Sequence[int]) -> list[str]:
         """Surface pieces of one id sequence (for attention plots and debugging)."""
         return [self._sp.id_to_piece(int(i)) for i in ids]
+
+
+# How `train_vocab` normalizes text. "identity": sentencepiece keeps every character as it
+# is (it only drops leading/trailing spaces and collapses runs of spaces, which prep's
+# whitespace cleanup makes a no-op), so decode(encode(line)) gives the line back and
+# the binarized data is a lossless view of what `nmt prep` wrote. Unicode/punctuation
+# normalization is prep's job (Moses rules on training data only); sentencepiece's default
+# nmt_nfkc would also rewrite dev/test sources (full-width forms, ligatures, ...) silently.
+NORMALIZATION = "identity"
+
+_SIZE_HINTS = ("Vocabulary size too high", "Vocabulary size is smaller than required_chars")
+
+
+def _sample_lines(inputs: Sequence[Path], sample: int, seed: int, out: Path) -> bool:
+    """Write `sample` lines drawn uniformly without replacement from all `inputs` to `out`
+    (in corpus order); False, writing nothing, when the inputs hold no more than that.
+
+    Done here rather than by sentencepiece's own sampling because that one draws from a
+    process-wide generator: two trainings in one process would differ.
+    """
+    import numpy as np
+
+    from nmt.data.binarize import count_lines
+
+    counts = [count_lines(Path(p)) for p in inputs]
+    total = sum(counts)
+    if total <= sample:
+        return False
+    rng = np.random.default_rng(seed)
+    chosen = np.sort(rng.choice(total, size=sample, replace=False)).tolist() + [total]
+    position, pick = 0, 0
+    with open(out, "wb") as sink:
+        for path in inputs:
+            with open(path, "rb") as source:
+                for line in source:
+                    if chosen[pick] == position:
+                        sink.write(line if line.endswith(b"\n") else line + b"\n")
+                        pick += 1
+                    position += 1
+    return True
+
+
+def train_vocab(inputs: Sequence[Path], model_path: Path, vocab_size: int, *,
+                sample: int = 0, threads: int = 1, seed: int = 1) -> Vocab:
+    """Learn one joint BPE model over all `inputs` and write it to `model_path` (.model,
+    plus the human-readable .vocab beside it), atomically.
+
+    `sample` > 0 trains on that many lines drawn with `seed` from all inputs together (how
+    big corpora stay within memory); the same inputs, sample and seed give the same model.
+    Byte fallback is on, so characters unseen in the (sampled) training text encode as
+    UTF-8 bytes rather than UNK and still round-trip.
+    Raises UsageError when `vocab_size` does not fit the data.
+    """
+
+    model_path = Path(model_path)
+    model_path.parent.mkdir(parents=True, exist_ok=True)
+    if vocab_size < 1:
+        raise UsageError(f"vocabulary size must be positive, got {vocab_size}")
+    for path in inputs:
+        if not Path(path).is_file():
+            raise DataError(f"{path}: no such file; run `nmt prep` first")
+    options: dict[str, object] = dict(
+        input=[str(p) for p in inputs], model_type="bpe", vocab_size=vocab_size,
+        pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+        character_coverage=1.0, byte_fallback=True, normalization_rule_name=NORMALIZATION,
+        num_threads=max(1, threads), minloglevel=2,
+    )
+    spm.set_random_generator_seed(seed)
+    with tempfile.TemporaryDirectory(prefix=".spm-", dir=model_path.parent) as tmp:
+        prefix = Path(tmp) / "spm"
+        if sample > 0 and _sample_lines(inputs, sample, seed, Path(tmp) / "sample.txt"):
+            options["input"] = [str(Path(tmp) / "sample.txt")]
+        try:
+            spm.SentencePieceTrainer.train(model_prefix=str(prefix), **options)
+        except RuntimeError as err:
+            message = str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)
+            if any(hint in message for hint in _SIZE_HINTS):
+                detail = message.split("] ", 1)[-1]
+                raise UsageError(f"--vocab-size {vocab_size} does not fit the training text "
+                                 f"({detail}); choose a suitable --vocab-size") from err
+            raise DataError(f"sentencepiece training on {', '.join(map(str, inputs))} "
+                            f"failed: {message}") from err
+        proto = prefix.with_suffix(".model").read_bytes()
+        vocab_text = prefix.with_suffix(".vocab").read_bytes()
+    vocab = Vocab(proto)
+    atomic_write_bytes(model_path.with_suffix(".vocab"), lambda f: f.write(vocab_text))
+    atomic_write_bytes(model_path, lambda f: f.write(proto))
+    return vocab

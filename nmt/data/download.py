@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from nmt.data import CHUNK
 from nmt.errors import DownloadError, IntegrityError
+from nmt.fileio import CHUNK
 from nmt.recipes import Archive
 
 

@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import IO
 
-from nmt.data import CHUNK
 from nmt.errors import DataError, IntegrityError
+from nmt.fileio import CHUNK
 
 _ARCHIVE_ERRORS = (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, OSError)
 _SEG = re.compile(r"<seg.*?>(.*)</seg>.*?")

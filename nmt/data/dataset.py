@@ -1,0 +1,177 @@
+"""Read-only, memory-mapped access to what `nmt bpe DATA` wrote under DATA/bin.
+
+Nothing is loaded into memory up front: a 36M-line corpus opens in milliseconds and every
+training process shares the same pages. Files are checked on open (shapes, dtypes,
+offsets start at 0, never decrease, end at the token count; both sides have as many lines).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nmt.data.binarize import side_paths
+from nmt.errors import DataError
+from nmt.vocab import Vocab
+
+BIN_DIR = "bin"
+META_FILE = "meta.json"
+SPM_MODEL = "spm.model"
+_CHECK_CHUNK = 1 << 22  # offsets checked this many at a time (bounded temporaries)
+
+
+def _hint(data_dir: Path | str) -> str:
+    return f"run `nmt bpe {data_dir}` first"
+
+
+def _load_npy(path: Path, data_dir: Path | str) -> np.ndarray:
+    """Memory-map a 1-D .npy file (an empty array cannot be mapped and is read instead)."""
+    if not path.is_file():
+        raise DataError(f"{path}: no such file; {_hint(data_dir)}")
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError as err:
+        if "empty" not in str(err).lower():
+            raise DataError(f"{path}: not a valid .npy array ({err}); {_hint(data_dir)}") \
+                from err
+        array = np.load(path, allow_pickle=False)
+    except OSError as err:
+        raise DataError(f"{path}: cannot read ({err.strerror or err}); {_hint(data_dir)}") \
+            from err
+    if array.ndim != 1:
+        raise DataError(f"{path}: expected a 1-D array, found shape {array.shape}; "
+                        f"{_hint(data_dir)}")
+    return array
+
+
+def _check_offsets(offsets: np.ndarray, n_tokens: int, path: Path) -> None:
+    """Offsets start at 0, never decrease and end at the token count."""
+    if offsets.dtype != np.int64 or len(offsets) == 0:
+        raise DataError(f"{path}: offsets must be a non-empty int64 array, found "
+                        f"{offsets.dtype} of length {len(offsets)}")
+    if offsets[0] != 0 or offsets[-1] != n_tokens:
+        raise DataError(f"{path}: offsets run from {offsets[0]} to {offsets[-1]} but the "
+                        f"tokens file holds {n_tokens} ids; rebuild with `nmt bpe`")
+    for start in range(0, len(offsets) - 1, _CHECK_CHUNK):
+        window = np.asarray(offsets[start:start + _CHECK_CHUNK + 1])
+        bad = np.flatnonzero(np.diff(window) < 0)
+        if len(bad):
+            raise DataError(f"{path}: offsets decrease at line {start + int(bad[0])}; "
+                            "rebuild with `nmt bpe`")
+
+
+class TokenArray:
+    """One side of one split: `arr[i]` is line i's ids (no EOS), `arr.lengths` all lengths."""
+
+    def __init__(self, tokens: np.ndarray, offsets: np.ndarray, name: str = "<memory>") -> None:
+        self.tokens = tokens  # (total_tokens,) uint16 or int32
+        self.offsets = offsets  # (lines + 1,) int64
+        self.name = name
+        self._lengths: np.ndarray | None = None
+
+    @classmethod
+    def open(cls, prefix: Path) -> TokenArray:
+        """Memory-map PREFIX.tokens.npy and PREFIX.offsets.npy (e.g. DATA/bin/train.src)."""
+        prefix = Path(prefix)
+        data_dir = prefix.parent.parent
+        tokens_path, offsets_path = side_paths(prefix)
+        tokens = _load_npy(tokens_path, data_dir)
+        if tokens.dtype not in (np.uint16, np.int32):
+            raise DataError(f"{tokens_path}: token ids must be uint16 or int32, found "
+                            f"{tokens.dtype}; {_hint(data_dir)}")
+        offsets = _load_npy(offsets_path, data_dir)
+        _check_offsets(offsets, len(tokens), offsets_path)
+        return cls(tokens, offsets, str(prefix))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        n = len(self)
+        i = int(index)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"line {index} out of range for {self.name} ({n} lines)")
+        return self.tokens[self.offsets[i]:self.offsets[i + 1]]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Token count of every line, without EOS: int64 of shape (lines,)."""
+        if self._lengths is None:
+            self._lengths = np.diff(self.offsets).astype(np.int64)  # (lines,)
+        return self._lengths
+
+    @property
+    def dtype(self) -> np.dtype:
+        """Storage dtype of the ids."""
+        return self.tokens.dtype
+
+
+def read_meta(data_dir: Path) -> dict[str, Any]:
+    """DATA/bin/meta.json as written by `nmt bpe`."""
+    path = Path(data_dir) / BIN_DIR / META_FILE
+    if not path.is_file():
+        raise DataError(f"{path}: no such file; {_hint(data_dir)}")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise DataError(f"{path}: unreadable ({err}); {_hint(data_dir)}") from err
+    if not isinstance(meta, dict) or not isinstance(meta.get("splits"), dict):
+        raise DataError(f"{path}: not an `nmt bpe` metadata file; {_hint(data_dir)}")
+    return meta
+
+
+class ParallelData:
+    """A split's aligned source and target arrays: pair i is (src[i], tgt[i])."""
+
+    def __init__(self, src: TokenArray, tgt: TokenArray, split: str = "") -> None:
+        if len(src) != len(tgt):
+            raise DataError(f"{src.name} has {len(src)} lines but {tgt.name} has "
+                            f"{len(tgt)}; rebuild with `nmt bpe`")
+        self.src = src
+        self.tgt = tgt
+        self.split = split
+
+    @classmethod
+    def open(cls, data_dir: Path, split: str) -> ParallelData:
+        """Open DATA/bin/{split}.src and .tgt, checked against DATA/bin/meta.json."""
+        data_dir = Path(data_dir)
+        meta = read_meta(data_dir)
+        if split not in meta["splits"]:
+            have = ", ".join(sorted(meta["splits"])) or "none"
+            raise DataError(f"{data_dir / BIN_DIR / META_FILE}: no binarized split "
+                            f"{split!r} (have: {have}); {_hint(data_dir)}")
+        src = TokenArray.open(data_dir / BIN_DIR / f"{split}.src")
+        tgt = TokenArray.open(data_dir / BIN_DIR / f"{split}.tgt")
+        info = meta["splits"][split]
+        for side, arr in (("src", src), ("tgt", tgt)):
+            expected = (info.get("lines"), info.get(f"{side}_tokens"))
+            if expected != (len(arr), len(arr.tokens)):
+                raise DataError(f"{arr.name}: holds {len(arr)} lines / {len(arr.tokens)} ids "
+                                f"but meta.json says {expected[0]} / {expected[1]}; "
+                                f"{_hint(data_dir)}")
+        return cls(src, tgt, split)
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+
+def load_vocab(data_dir: Path) -> Vocab:
+    """DATA/spm.model, checked against the hash the binarized data was made with."""
+    data_dir = Path(data_dir)
+    path = data_dir / SPM_MODEL
+    if not path.is_file():
+        raise DataError(f"{path}: no such file; {_hint(data_dir)}")
+    proto = path.read_bytes()
+    meta_path = data_dir / BIN_DIR / META_FILE
+    if meta_path.is_file():
+        expected = read_meta(data_dir).get("spm_sha256")
+        if expected and hashlib.sha256(proto).hexdigest() != expected:
+            raise DataError(f"{path}: differs from the model {meta_path} was built with; "
+                            f"{_hint(data_dir)} again")
+    return Vocab(proto)
