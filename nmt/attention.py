@@ -1,0 +1,165 @@
+"""Multi-head attention on top of `torch.nn.functional.scaled_dot_product_attention`.
+
+Self-attention projects Q, K and V with ONE fused Linear; encoder-decoder attention projects
+K and V of the encoder output with one fused Linear (computed once per sentence when
+decoding incrementally). SDPA picks flash/memory-efficient kernels on GPU and the fused CPU
+kernel on CPU. Masks are boolean with SDPA's meaning (True = may attend) and are built once
+per forward by the caller, never per layer. Tensors are batch-first.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def xavier_chunks_(linear: nn.Linear, sizes: list[int]) -> None:
+    """Xavier-uniform init of each row block of a fused projection, zero bias.
+
+    A fused QKV weight (3*d, d) initialised as one matrix would get a smaller range than
+    three separate (d, d) projections; initialising each block on its own matches the
+    unfused reference (tensor2tensor, fairseq) while keeping one matmul.
+    """
+    with torch.no_grad():
+        for block in linear.weight.split(sizes, dim=0):
+            nn.init.xavier_uniform_(block)
+        if linear.bias is not None:
+            linear.bias.zero_()
+
+
+def key_padding_mask(padding_mask: Tensor) -> Tensor:
+    """SDPA mask from a (batch, src_len) PAD mask: True where attention is allowed."""
+    return padding_mask.logical_not()[:, None, None, :]  # (batch, 1, 1, src_len)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention with a fused QKV projection; d_k may differ from d_v."""
+
+    def __init__(self, d_model: int, heads: int, d_k: int, d_v: int, dropout: float) -> None:
+        super().__init__()
+        self.heads, self.d_k, self.d_v = heads, d_k, d_v
+        self.dropout = dropout
+        self.sizes = [heads * d_k, heads * d_k, heads * d_v]
+        self.qkv = nn.Linear(d_model, sum(self.sizes))
+        self.out = nn.Linear(heads * d_v, d_model)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform per projection (Q, K, V, output), zero biases."""
+        xavier_chunks_(self.qkv, self.sizes)
+        xavier_chunks_(self.out, [self.out.out_features])
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Q, K, V of `x` (batch, len, d_model), each (batch, heads, len, d)."""
+        batch, length, _ = x.shape
+        q, k, v = self.qkv(x).split(self.sizes, dim=-1)  # each (batch, len, heads*d)
+        q = q.view(batch, length, self.heads, self.d_k).transpose(1, 2)  # (batch, heads, len, d_k)
+        k = k.view(batch, length, self.heads, self.d_k).transpose(1, 2)  # (batch, heads, len, d_k)
+        v = v.view(batch, length, self.heads, self.d_v).transpose(1, 2)  # (batch, heads, len, d_v)
+        return q, k, v
+
+    def merge(self, context: Tensor) -> Tensor:
+        """Concatenate heads of (batch, heads, len, d_v) and apply W^O."""
+        batch, _, length, _ = context.shape
+        context = context.transpose(1, 2).reshape(batch, length, -1)  # (batch, len, heads*d_v)
+        return self.out(context)  # (batch, len, d_model)
+
+    def forward(self, x: Tensor, attn_mask: Tensor | None = None,
+                is_causal: bool = False) -> Tensor:
+        """Attend over the whole sequence `x` (batch, len, d_model).
+
+        `attn_mask` is None (no padding) or a boolean mask broadcastable to
+        (batch, heads, len, len); `is_causal` lets SDPA apply the causal mask itself.
+        """
+        q, k, v = self.project(x)
+        drop = self.dropout if self.training else 0.0
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=drop,
+                                                 is_causal=is_causal)  # (batch, heads, len, d_v)
+        return self.merge(context)
+
+    def step(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, position: int) -> Tensor:
+        """One incremental decoder step: `x` (n, 1, d_model) is the newest position.
+
+        `cache_k` (n, heads, capacity, d_k) and `cache_v` (n, heads, capacity, d_v) are
+        preallocated views of the decoder state; this step's key/value are written at
+        `position` in place (no concatenation), and the query attends over positions
+        0..position, all visible, so no mask is needed. Returns (n, 1, d_model).
+        """
+        q, k, v = self.project(x)  # (n, heads, 1, d)
+        cache_k[:, :, position] = k[:, :, 0]  # (n, heads, d_k) written in place
+        cache_v[:, :, position] = v[:, :, 0]  # (n, heads, d_v) written in place
+        keys = cache_k[:, :, : position + 1]  # (n, heads, t+1, d_k), a view
+        values = cache_v[:, :, : position + 1]  # (n, heads, t+1, d_v), a view
+        return self.merge(attend_one(q, keys, values, None))
+
+
+def attend_one(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> Tensor:
+    """Attention of single-position queries (n, heads, 1, d_k) at inference.
+
+    On GPU this is SDPA; on CPU SDPA's flash kernel has a high fixed cost for one query
+    (measured about 2x slower than two batched matmuls at beam-search shapes, see
+    bench/model_speed.py), so the softmax is written out there.
+    """
+    if q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+    scores = q @ k.transpose(-1, -2) * q.size(-1) ** -0.5  # (n, heads, 1, t)
+    if attn_mask is not None:
+        scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
+    return scores.softmax(dim=-1) @ v  # (n, heads, 1, d_v)
+
+
+class CrossAttention(nn.Module):
+    """Encoder-decoder attention: queries from the decoder, fused K/V of the encoder."""
+
+    def __init__(self, d_model: int, heads: int, d_k: int, d_v: int, dropout: float) -> None:
+        super().__init__()
+        self.heads, self.d_k, self.d_v = heads, d_k, d_v
+        self.dropout = dropout
+        self.kv_sizes = [heads * d_k, heads * d_v]
+        self.q = nn.Linear(d_model, heads * d_k)
+        self.kv = nn.Linear(d_model, sum(self.kv_sizes))
+        self.out = nn.Linear(heads * d_v, d_model)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform per projection (Q, K, V, output), zero biases."""
+        xavier_chunks_(self.q, [self.q.out_features])
+        xavier_chunks_(self.kv, self.kv_sizes)
+        xavier_chunks_(self.out, [self.out.out_features])
+
+    def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """K (batch, heads, src_len, d_k) and V (batch, heads, src_len, d_v) of the encoder
+        output `memory` (batch, src_len, d_model)."""
+        batch, length, _ = memory.shape
+        k, v = self.kv(memory).split(self.kv_sizes, dim=-1)  # each (batch, src_len, heads*d)
+        k = k.view(batch, length, self.heads, self.d_k).transpose(1, 2)  # (b, heads, S, d_k)
+        v = v.view(batch, length, self.heads, self.d_v).transpose(1, 2)  # (b, heads, S, d_v)
+        return k, v
+
+    def forward(self, x: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
+                need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Attend from `x` (batch, tgt_len, d_model) over projected encoder K/V.
+
+        `attn_mask` is None or (batch, 1, 1, src_len) boolean (True = real token). With
+        `need_weights` the softmax is computed explicitly (no SDPA) and the attention
+        weights (batch, heads, tgt_len, src_len) are returned for plotting.
+        """
+        batch, length, _ = x.shape
+        q = self.q(x).view(batch, length, self.heads, self.d_k)  # (batch, tgt_len, heads, d_k)
+        q = q.transpose(1, 2)  # (batch, heads, tgt_len, d_k)
+        drop = self.dropout if self.training else 0.0
+        weights = None
+        if need_weights:
+            scores = q @ k.transpose(-1, -2) * self.d_k ** -0.5  # (batch, heads, tgt, src)
+            if attn_mask is not None:
+                scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
+            weights = scores.float().softmax(dim=-1).to(v.dtype)  # (batch, heads, tgt, src)
+            context = F.dropout(weights, drop, self.training) @ v  # (batch, heads, tgt, d_v)
+        elif length == 1 and not self.training:  # incremental decoding
+            context = attend_one(q, k, v, attn_mask)  # (batch, heads, 1, d_v)
+        else:
+            context = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, dropout_p=drop)  # (batch, heads, tgt_len, d_v)
+        context = context.transpose(1, 2).reshape(batch, length, -1)  # (batch, tgt, heads*d_v)
+        return self.out(context), weights

@@ -1,0 +1,139 @@
+"""Process-group setup for `torchrun` and the self-relaunch behind `nmt train --gpus N`.
+
+One node, N processes: `nmt train DATA --gpus N` (or `--nproc N` on CPU) re-executes itself
+under `torch.distributed.run` with `--nproc_per_node N`. Multi-node: start the same command
+on every node through torchrun's rendezvous flags, e.g. on each of 2 nodes
+
+    torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d \\
+        --rdzv_endpoint HOST0:29500 --rdzv_id myrun -m cli.main train DATA -o RUN ...
+
+(or `nmt train ... --gpus 8 --nnodes 2 --rdzv-endpoint HOST0:29500`, which passes them
+on). torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; `init_distributed` reads them and picks
+NCCL on CUDA, gloo on CPU. RUN must be on a filesystem rank 0 can write.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nmt.errors import DistributedError
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 alone writes checkpoints and logs."""
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        """True when a process group with more than one member is running."""
+        return self.world_size > 1
+
+
+def under_torchrun() -> bool:
+    """True inside a process started by torchrun / torch.distributed.run."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def init_distributed(device_type: str, timeout_minutes: float = 30.0) -> DistEnv:
+    """Join the process group torchrun set up (no-op for a single process)."""
+    if not under_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
+        return DistEnv()
+    env = DistEnv(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                  int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        if device_type == "cuda":
+            torch.cuda.set_device(env.local_rank)
+        try:
+            dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+        except Exception as err:  # RuntimeError / DistNetworkError variants
+            raise DistributedError(f"rank {env.rank}: cannot join the process group "
+                                   f"({str(err).splitlines()[0]}); check MASTER_ADDR/PORT "
+                                   "and that every rank started") from err
+    return env
+
+
+def shutdown(env: DistEnv) -> None:
+    """Leave the process group cleanly."""
+    if env.active and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def broadcast_flags(env: DistEnv, flags: list[bool], device: torch.device) -> list[bool]:
+    """Rank 0's decisions (save now? stop now?) on every rank: one tiny collective."""
+    if not env.active:
+        return flags
+    tensor = torch.tensor([int(f) for f in flags], dtype=torch.int64, device=device)
+    dist.broadcast(tensor, src=0)
+    return [bool(v) for v in tensor.tolist()]
+
+
+def gather_objects(env: DistEnv, obj: Any) -> list[Any]:
+    """Every rank's `obj` (e.g. RNG states) on every rank, in rank order."""
+    if not env.active:
+        return [obj]
+    out: list[Any] = [None] * env.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+LAUNCH_FLAGS = ("--gpus", "--nproc", "--nnodes", "--rdzv-endpoint")
+
+
+def strip_launch_flags(argv: list[str]) -> list[str]:
+    """ARGV without the flags only the launcher needs (`--gpus 2`, `--nproc=2`, ...):
+    the children run under torchrun already, and torchrun's own parser would otherwise
+    take `--nproc` for its `--nproc-per-node`."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in LAUNCH_FLAGS:
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return out
+
+
+def relaunch(nproc: int, argv: list[str], nnodes: int = 1, rdzv_endpoint: str | None = None,
+             rdzv_id: str = "nmt") -> int:
+    """Run `python -m cli.main ARGV` under torch.distributed.run with `nproc` per node.
+
+    The children see WORLD_SIZE and so do not relaunch again. Returns torchrun's exit code.
+    """
+    from torch.distributed import run as torchrun
+
+    args = ["--nproc_per_node", str(nproc), "--nnodes", str(nnodes)]
+    if rdzv_endpoint:
+        args += ["--rdzv_backend", "c10d", "--rdzv_endpoint", rdzv_endpoint, "--rdzv_id", rdzv_id]
+    else:
+        args += ["--standalone"]
+    args += ["-m", "cli.main", *strip_launch_flags(argv)]
+    try:
+        torchrun.main(args)
+    except SystemExit as exc:  # torchrun exits on child failure
+        return int(exc.code or 0)
+    except Exception as err:  # ChildFailedError carries the failing rank
+        raise DistributedError(f"a training process failed: {str(err).splitlines()[0]}; "
+                               "see its traceback above") from err
+    sys.stderr.flush()
+    return 0

@@ -1,0 +1,66 @@
+"""The paper's learning-rate schedule (section 5.3) and the Adam optimiser it drives.
+
+lr(step) = lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5): linear warm-up for
+`warmup` updates, then inverse square root decay. Steps count from 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from nmt.config import TrainConfig
+
+
+def inverse_sqrt_lr(step: int, d_model: int, warmup: int, lr_scale: float = 1.0) -> float:
+    """The learning rate of update number `step` (1-based)."""
+    step = max(step, 1)
+    return lr_scale * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+
+
+class InverseSqrtSchedule:
+    """Sets every param group's lr for the next update; state is just the update count."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, d_model: int, warmup: int,
+                 lr_scale: float = 1.0) -> None:
+        self.optimizer = optimizer
+        self.d_model = d_model
+        self.warmup = warmup
+        self.lr_scale = lr_scale
+        self.step_count = 0
+        self._apply()
+
+    @property
+    def lr(self) -> float:
+        """The lr the next optimizer step uses."""
+        return inverse_sqrt_lr(self.step_count + 1, self.d_model, self.warmup, self.lr_scale)
+
+    def _apply(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr
+
+    def step(self) -> None:
+        """Call after each successful optimizer step."""
+        self.step_count += 1
+        self._apply()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-int state for checkpoints."""
+        return {"step_count": self.step_count, "d_model": self.d_model, "warmup": self.warmup,
+                "lr_scale": self.lr_scale}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the update count (the shape parameters come from the current config)."""
+        self.step_count = int(state["step_count"])
+        self._apply()
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig,
+                    device: torch.device) -> torch.optim.Adam:
+    """Adam(beta1, beta2, eps) as in the paper; fused kernel on CUDA, foreach on CPU."""
+    fused = device.type == "cuda"
+    return torch.optim.Adam(list(params), lr=0.0, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                            eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+                            fused=fused or None, foreach=None if fused else True)

@@ -1,0 +1,150 @@
+"""Training checkpoints: build the payload, restore from it, capture and restore RNG state.
+
+Everything is stored as tensors, ints, floats, strings, lists and dicts so that
+`torch.load(weights_only=True)` reads it back: the python `random` state becomes a list,
+numpy's MT19937 key becomes an int64 tensor. RNG states of every rank are kept (gathered
+to rank 0 before saving), so a resumed multi-process run draws the same dropout masks.
+Checkpoint files are RUN/checkpoint_{step}.pt plus RUN/checkpoint_last.pt; pruning reads
+the step stored inside each file, never the file name.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from nmt.checkpoint import FORMAT, atomic_write_bytes, load_checkpoint, save_checkpoint
+from nmt.errors import CheckpointError
+
+LAST = "checkpoint_last.pt"
+
+
+@dataclass
+class DataState:
+    """Where training stands in the data: epoch (1-based) and batches of the epoch's
+    shuffled global batch list already consumed (a multiple of the world size)."""
+
+    epoch: int = 1
+    index: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        """Plain ints for the checkpoint."""
+        return {"epoch": self.epoch, "index": self.index}
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's RNG states (torch CPU, every CUDA device, python, numpy)."""
+    py_version, py_state, py_gauss = random.getstate()
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else [],
+        "python": [py_version, list(py_state), py_gauss],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),
+                  int(np_state[2]), int(np_state[3]), float(np_state[4])],
+    }
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Inverse of `capture_rng`."""
+    torch.set_rng_state(state["torch"].cpu())
+    if state.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([t.cpu() for t in state["cuda"]])
+    version, py_state, gauss = state["python"]
+    random.setstate((version, tuple(py_state), gauss))
+    name, key, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, key.numpy().astype(np.uint32), pos, has_gauss, cached))
+
+
+def build_payload(*, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  scheduler: Any, scaler: torch.amp.GradScaler, step: int,
+                  data_state: DataState, rng: list[dict[str, Any]], model_config: dict,
+                  train_config: dict, vocab: bytes, meta: dict[str, Any],
+                  elapsed_seconds: float) -> dict[str, Any]:
+    """The full training checkpoint (see nmt/checkpoint.py for the required keys)."""
+    return {
+        "format": FORMAT,
+        "step": int(step),
+        "model_config": model_config,
+        "vocab": vocab,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict(),
+        "rng": rng,
+        "data_state": data_state.to_dict(),
+        "train_config": train_config,
+        "elapsed_seconds": float(elapsed_seconds),
+        "meta": meta,
+    }
+
+
+def write_checkpoint(payload: dict[str, Any], run_dir: Path, keep_last: int) -> Path:
+    """Save RUN/checkpoint_{step}.pt, copy it atomically to checkpoint_last.pt, prune."""
+    run_dir = Path(run_dir)
+    path = run_dir / f"checkpoint_{payload['step']}.pt"
+    save_checkpoint(payload, path)
+
+    def copy(handle: Any) -> None:
+        with path.open("rb") as src:
+            shutil.copyfileobj(src, handle, 1 << 22)
+
+    try:
+        atomic_write_bytes(run_dir / LAST, copy)
+    except OSError as err:
+        raise CheckpointError(f"{run_dir / LAST}: cannot write ({err.strerror or err}); "
+                              f"{path} is intact") from err
+    prune_checkpoints(run_dir, keep_last)
+    return path
+
+
+def stored_step(path: Path) -> int:
+    """The step saved inside a checkpoint (reads the file safely)."""
+    return int(load_checkpoint(path)["step"])
+
+
+def prune_checkpoints(run_dir: Path, keep_last: int) -> list[Path]:
+    """Delete all but the `keep_last` numbered checkpoints with the highest stored step."""
+    found: list[tuple[int, Path]] = []
+    for path in Path(run_dir).glob("checkpoint_*.pt"):
+        if path.name == LAST:
+            continue
+        try:
+            found.append((stored_step(path), path))
+        except Exception:  # a foreign or broken file: leave it alone
+            continue
+    found.sort()
+    removed = [p for _, p in found[:-keep_last]] if keep_last > 0 else []
+    for path in removed:
+        path.unlink(missing_ok=True)
+    return removed
+
+
+def restore_training(payload: dict[str, Any], *, model: torch.nn.Module,
+                     optimizer: torch.optim.Optimizer, scheduler: Any,
+                     scaler: torch.amp.GradScaler, rank: int, world_size: int) -> DataState:
+    """Load weights, optimizer, scheduler, scaler and this rank's RNG; return data position."""
+    missing = [k for k in ("optimizer", "scheduler", "scaler", "rng", "data_state")
+               if k not in payload]
+    if missing:
+        raise CheckpointError(f"checkpoint lacks {', '.join(missing)}: not a training "
+                              "checkpoint; start a new run directory (-o)")
+    model.load_state_dict(payload["model"])
+    optimizer.load_state_dict(payload["optimizer"])
+    scheduler.load_state_dict(payload["scheduler"])
+    if payload["scaler"]:
+        scaler.load_state_dict(payload["scaler"])
+    rngs = payload["rng"]
+    if len(rngs) == world_size:
+        restore_rng(rngs[rank])
+    else:  # world size changed: batches differ anyway; reseed distinctly per rank
+        restore_rng(rngs[0])
+        torch.manual_seed(int(torch.randint(0, 2 ** 31, (1,))) + rank)
+    data = payload["data_state"]
+    return DataState(int(data["epoch"]), int(data["index"]))

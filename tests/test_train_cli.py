@@ -1,0 +1,78 @@
+"""`nmt train` end to end on real Multi30k-derived data (through `nmt bpe`'s code path)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from test_train_fixtures import write_text_data
+
+from nmt.checkpoint import load_checkpoint
+from nmt.train.log import read_jsonl
+
+
+@pytest.fixture(scope="module")
+def m30k_data(tmp_path_factory, request):
+    from conftest import shared_data_path
+
+    src_dir = shared_data_path("multi30k")
+
+    def lines(name, n):
+        return (src_dir / name).read_text(encoding="utf-8").splitlines()[:n]
+
+    splits = {"train": list(zip(lines("train.en", 2000), lines("train.de", 2000), strict=True)),
+              "valid": list(zip(lines("val.en", 100), lines("val.de", 100), strict=True))}
+    return write_text_data(tmp_path_factory.mktemp("m30k") / "data", splits, vocab_size=1000)
+
+
+def _nmt(*args, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "cli.main", "train", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_cli_trains_resumes_and_logs(m30k_data, tmp_path):
+    run = tmp_path / "run"
+    common = [str(m30k_data), "-o", str(run), "--arch", "tiny", "--device", "cpu",
+              "--max-tokens", "1024", "--warmup", "10", "--log-interval", "2",
+              "--valid-interval", "4", "--valid-bleu", "--save-interval-updates", "3",
+              "--keep-last", "2"]
+    done = _nmt(*common, "--max-updates", "6")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == ""  # data only on stdout; progress and messages on stderr
+    assert "update 6" in done.stderr and "checkpoint_6.pt" in done.stderr
+    assert sorted(p.name for p in run.glob("checkpoint_*.pt")) == [
+        "checkpoint_3.pt", "checkpoint_6.pt", "checkpoint_last.pt"]
+    records = read_jsonl(run / "train_log.jsonl")
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [2, 4, 6]
+    assert train[-1]["loss"] < train[0]["loss"]
+    valid = [r for r in records if r["kind"] == "valid"]
+    assert valid and {"valid_loss", "valid_ppl", "valid_bleu"} <= set(valid[0])
+    again = _nmt(*common, "--max-updates", "8")
+    assert again.returncode == 0, again.stderr
+    assert "resuming from update 6" in again.stderr
+    assert load_checkpoint(run / "checkpoint_last.pt")["step"] == 8
+
+
+def test_cli_rejects_bad_flags(m30k_data, tmp_path):
+    bad = _nmt(str(m30k_data), "-o", str(tmp_path / "r"), "--precision", "fp8")
+    assert bad.returncode == 2 and "unknown precision" in bad.stderr
+    bad = _nmt(str(m30k_data), "-o", str(tmp_path / "r"), "--arch", "huge")
+    assert bad.returncode == 2 and "unknown arch" in bad.stderr
+    missing = _nmt(str(tmp_path / "nothing"), "-o", str(tmp_path / "r"))
+    assert missing.returncode == 3 and "nmt bpe" in missing.stderr
+
+
+@pytest.mark.slow
+def test_cli_nproc_2_runs_under_torchrun(m30k_data, tmp_path):
+    run = tmp_path / "run"
+    done = _nmt(str(m30k_data), "-o", str(run), "--arch", "tiny", "--device", "cpu",
+                "--nproc", "2", "--max-tokens", "1024", "--max-updates", "3",
+                "--log-interval", "1")
+    assert done.returncode == 0, done.stderr
+    records = read_jsonl(run / "train_log.jsonl")
+    assert [r["world_size"] for r in records if r["kind"] == "train"] == [2, 2, 2]
+    assert len(load_checkpoint(run / "checkpoint_last.pt")["rng"]) == 2
