@@ -15,8 +15,25 @@ from pathlib import Path
 import typer
 
 from cli.common import console, handle_errors
-from nmt.config import MODEL_PRESETS, PRECISIONS, ModelConfig, TrainConfig, model_preset
+from nmt.config import MODEL_PRESETS, PRECISIONS, ModelConfig, TrainConfig
 from nmt.errors import UsageError
+from nmt.train.settings import resolve
+
+_MODEL_FLAGS = (
+    "encoder_layers",
+    "decoder_layers",
+    "d_model",
+    "d_ff",
+    "heads",
+    "d_k",
+    "d_v",
+    "dropout",
+    "attention_dropout",
+    "activation_dropout",
+    "learned_positions",
+    "max_positions",
+    "pre_norm",
+)
 
 _T = TrainConfig()
 _M = ModelConfig()
@@ -24,23 +41,41 @@ _M = ModelConfig()
 
 def _preset_help(name: str) -> str:
     """'from --arch: tiny 2, small 3, base 6, big 6' for a ModelConfig field."""
-    values = ", ".join(f"{arch} {MODEL_PRESETS[arch].get(name, getattr(_M, name))}"
-                       for arch in MODEL_PRESETS)
+    values = ", ".join(
+        f"{arch} {MODEL_PRESETS[arch].get(name, getattr(_M, name))}" for arch in MODEL_PRESETS
+    )
     return f"from --arch ({values})"
 
 
+def _value(key: str, model_cfg: ModelConfig, train_cfg: TrainConfig) -> object:
+    """The resolved value of a setting, for the startup line."""
+    if key == "arch":
+        return "preset"
+    return getattr(model_cfg, key) if hasattr(model_cfg, key) else getattr(train_cfg, key)
+
+
 def _model_opt(name: str, help_text: str, flag: str | None = None) -> typer.models.OptionInfo:
-    return typer.Option(None, flag or f"--{name.replace('_', '-')}", help=help_text,
-                        show_default=_preset_help(name))
+    return typer.Option(
+        None, flag or f"--{name.replace('_', '-')}", help=help_text, show_default=_preset_help(name)
+    )
 
 
 def command(
     data: Path = typer.Argument(..., help="DATA directory prepared by `nmt prep` + `nmt bpe`."),
-    output: Path = typer.Option(Path("runs/train"), "-o", "--output", show_default=True,
-                                help="Run directory (checkpoints, train_log.jsonl). Re-running "
-                                "the same command resumes from its checkpoint_last.pt."),
-    arch: str = typer.Option("base", "--arch", show_default=True,
-                             help=f"Model preset: {', '.join(MODEL_PRESETS)}."),
+    output: Path = typer.Option(
+        Path("runs/train"),
+        "-o",
+        "--output",
+        show_default=True,
+        help="Run directory (checkpoints, train_log.jsonl). Re-running "
+        "the same command resumes from its checkpoint_last.pt.",
+    ),
+    arch: str = typer.Option(
+        None,
+        "--arch",
+        show_default="the recipe's, else base",
+        help=f"Model preset: {', '.join(MODEL_PRESETS)}.",
+    ),
     # --- model knobs (None: the preset's value) ---
     encoder_layers: int = _model_opt("encoder_layers", "Encoder layers N."),
     decoder_layers: int = _model_opt("decoder_layers", "Decoder layers N."),
@@ -53,87 +88,159 @@ def command(
     attention_dropout: float = _model_opt("attention_dropout", "Dropout on attention weights."),
     activation_dropout: float = _model_opt("activation_dropout", "Dropout after the FFN ReLU."),
     learned_positions: bool = typer.Option(
-        None, "--learned-positions/--sinusoidal-positions", show_default="sinusoidal",
-        help="Learned positional embeddings instead of sinusoids (Table 3 row E)."),
+        None,
+        "--learned-positions/--sinusoidal-positions",
+        show_default="sinusoidal",
+        help="Learned positional embeddings instead of sinusoids (Table 3 row E).",
+    ),
     max_positions: int = _model_opt("max_positions", "Longest sequence the model accepts."),
-    pre_norm: bool = typer.Option(None, "--pre-norm/--post-norm", show_default="post-norm",
-                                  help="LayerNorm before each sub-layer instead of after."),
+    pre_norm: bool = typer.Option(
+        None,
+        "--pre-norm/--post-norm",
+        show_default="post-norm",
+        help="LayerNorm before each sub-layer instead of after.",
+    ),
     # --- optimisation ---
-    seed: int = typer.Option(_T.seed, "--seed", show_default=True, help="Random seed."),
-    lr_scale: float = typer.Option(_T.lr_scale, "--lr-scale", show_default=True,
-                                   help="Multiplies d_model^-0.5 * min(step^-0.5, "
-                                   "step * warmup^-1.5)."),
-    warmup: int = typer.Option(_T.warmup, "--warmup", show_default=True,
-                               help="Warm-up updates of the schedule."),
-    adam_beta1: float = typer.Option(_T.adam_beta1, "--adam-beta1", show_default=True),
-    adam_beta2: float = typer.Option(_T.adam_beta2, "--adam-beta2", show_default=True),
-    adam_eps: float = typer.Option(_T.adam_eps, "--adam-eps", show_default=True),
-    weight_decay: float = typer.Option(_T.weight_decay, "--weight-decay", show_default=True),
-    clip_norm: float = typer.Option(_T.clip_norm, "--clip-norm", show_default=True,
-                                    help="Clip the gradient norm; 0 = no clipping."),
-    label_smoothing: float = typer.Option(_T.label_smoothing, "--label-smoothing",
-                                          show_default=True, help="epsilon_ls."),
+    seed: int = typer.Option(None, "--seed", show_default=str(_T.seed), help="Random seed."),
+    lr_scale: float = typer.Option(
+        None,
+        "--lr-scale",
+        show_default=str(_T.lr_scale),
+        help="Multiplies d_model^-0.5 * min(step^-0.5, step * warmup^-1.5).",
+    ),
+    warmup: int = typer.Option(
+        None, "--warmup", show_default=str(_T.warmup), help="Warm-up updates of the schedule."
+    ),
+    adam_beta1: float = typer.Option(None, "--adam-beta1", show_default=str(_T.adam_beta1)),
+    adam_beta2: float = typer.Option(None, "--adam-beta2", show_default=str(_T.adam_beta2)),
+    adam_eps: float = typer.Option(None, "--adam-eps", show_default=str(_T.adam_eps)),
+    weight_decay: float = typer.Option(None, "--weight-decay", show_default=str(_T.weight_decay)),
+    clip_norm: float = typer.Option(
+        None,
+        "--clip-norm",
+        show_default=str(_T.clip_norm),
+        help="Clip the gradient norm; 0 = no clipping.",
+    ),
+    label_smoothing: float = typer.Option(
+        None, "--label-smoothing", show_default=str(_T.label_smoothing), help="epsilon_ls."
+    ),
     # --- batching ---
-    max_tokens: int = typer.Option(_T.max_tokens, "--max-tokens", show_default=True,
-                                   help="Tokens (padding included) per process per "
-                                   "micro-batch."),
-    update_freq: int = typer.Option(_T.update_freq, "--update-freq", show_default=True,
-                                    help="Micro-batches accumulated per update."),
-    batch_tokens: int = typer.Option(_T.batch_tokens, "--batch-tokens",
-                                     show_default="off",
-                                     help="Tokens per update (paper: 25000); derives "
-                                     "update-freq = ceil(B / (processes x max-tokens))."),
-    max_len: int = typer.Option(_T.max_len, "--max-len", show_default=True,
-                                help="Skip training pairs with a side longer than this "
-                                "(tokens incl. EOS)."),
-    precision: str = typer.Option(_T.precision, "--precision", show_default=True,
-                                  help=f"One of {', '.join(PRECISIONS)} (autocast; fp16 uses "
-                                  "dynamic loss scaling)."),
+    max_tokens: int = typer.Option(
+        None,
+        "--max-tokens",
+        show_default=str(_T.max_tokens),
+        help="Tokens (padding included) per process per micro-batch.",
+    ),
+    update_freq: int = typer.Option(
+        None,
+        "--update-freq",
+        show_default=str(_T.update_freq),
+        help="Micro-batches accumulated per update.",
+    ),
+    batch_tokens: int = typer.Option(
+        None,
+        "--batch-tokens",
+        show_default="off",
+        help="Tokens per update (paper: 25000); derives "
+        "update-freq = ceil(B / (processes x max-tokens)).",
+    ),
+    max_len: int = typer.Option(
+        None,
+        "--max-len",
+        show_default=str(_T.max_len),
+        help="Skip training pairs with a side longer than this (tokens incl. EOS).",
+    ),
+    precision: str = typer.Option(
+        None,
+        "--precision",
+        show_default=str(_T.precision),
+        help=f"One of {', '.join(PRECISIONS)} (autocast; fp16 uses dynamic loss scaling).",
+    ),
     # --- length of training (totals) ---
-    max_updates: int = typer.Option(_T.max_updates, "--max-updates", show_default=True,
-                                    help="Total updates (a resumed run stops at the same "
-                                    "place)."),
-    max_epochs: int = typer.Option(_T.max_epochs, "--max-epochs", show_default=True,
-                                   help="Total epochs; 0 = no limit."),
-    max_minutes: float = typer.Option(_T.max_minutes, "--max-minutes", show_default=True,
-                                      help="Total training minutes; 0 = no limit."),
+    max_updates: int = typer.Option(
+        None,
+        "--max-updates",
+        show_default=str(_T.max_updates),
+        help="Total updates (a resumed run stops at the same place).",
+    ),
+    max_epochs: int = typer.Option(
+        None, "--max-epochs", show_default=str(_T.max_epochs), help="Total epochs; 0 = no limit."
+    ),
+    max_minutes: float = typer.Option(
+        None,
+        "--max-minutes",
+        show_default=str(_T.max_minutes),
+        help="Total training minutes; 0 = no limit.",
+    ),
     # --- checkpoints, validation, logging ---
-    save_interval_minutes: float = typer.Option(_T.save_interval_minutes,
-                                                "--save-interval-minutes", show_default=True,
-                                                help="Save every this many minutes (paper: "
-                                                "10); 0 = off."),
-    save_interval_updates: int = typer.Option(_T.save_interval_updates,
-                                              "--save-interval-updates", show_default=True,
-                                              help="Also save every this many updates; 0 = "
-                                              "off."),
-    keep_last: int = typer.Option(_T.keep_last, "--keep-last", show_default=True,
-                                  help="Numbered checkpoints kept (paper averages 5 / 20)."),
-    valid_interval: int = typer.Option(_T.valid_interval, "--valid-interval",
-                                       show_default=True,
-                                       help="Validate every this many updates."),
-    valid_bleu: bool = typer.Option(_T.valid_bleu, "--valid-bleu/--no-valid-bleu",
-                                    show_default=True,
-                                    help="Also greedy-decode the valid split for sacreBLEU."),
-    log_interval: int = typer.Option(_T.log_interval, "--log-interval", show_default=True,
-                                     help="Log every this many updates."),
-    max_nonfinite_in_a_row: int = typer.Option(_T.max_nonfinite_in_a_row,
-                                               "--max-nonfinite-in-a-row", show_default=True,
-                                               help="Abort (exit 7) after this many skipped "
-                                               "non-finite updates in a row."),
+    save_interval_minutes: float = typer.Option(
+        None,
+        "--save-interval-minutes",
+        show_default=str(_T.save_interval_minutes),
+        help="Save every this many minutes (paper: 10); 0 = off.",
+    ),
+    save_interval_updates: int = typer.Option(
+        None,
+        "--save-interval-updates",
+        show_default=str(_T.save_interval_updates),
+        help="Also save every this many updates; 0 = off.",
+    ),
+    keep_last: int = typer.Option(
+        None,
+        "--keep-last",
+        show_default=str(_T.keep_last),
+        help="Numbered checkpoints kept (paper averages 5 / 20).",
+    ),
+    valid_interval: int = typer.Option(
+        None,
+        "--valid-interval",
+        show_default=str(_T.valid_interval),
+        help="Validate every this many updates.",
+    ),
+    valid_bleu: bool = typer.Option(
+        None,
+        "--valid-bleu/--no-valid-bleu",
+        show_default=str(_T.valid_bleu),
+        help="Also greedy-decode the valid split for sacreBLEU.",
+    ),
+    log_interval: int = typer.Option(
+        None,
+        "--log-interval",
+        show_default=str(_T.log_interval),
+        help="Log every this many updates.",
+    ),
+    max_nonfinite_in_a_row: int = typer.Option(
+        None,
+        "--max-nonfinite-in-a-row",
+        show_default=str(_T.max_nonfinite_in_a_row),
+        help="Abort (exit 7) after this many skipped non-finite updates in a row.",
+    ),
     # --- devices and processes ---
-    device: str = typer.Option("auto", "--device", show_default=True,
-                               help="auto, cpu or cuda."),
-    gpus: int = typer.Option(1, "--gpus", show_default=True,
-                             help="GPUs on this node: >1 re-launches under torchrun "
-                             "(NCCL)."),
-    nproc: int = typer.Option(1, "--nproc", show_default=True,
-                              help="CPU processes on this node: >1 re-launches under "
-                              "torchrun (gloo)."),
-    nnodes: int = typer.Option(1, "--nnodes", show_default=True,
-                               help="Nodes (multi-node: run the same command on each; "
-                               "needs --rdzv-endpoint)."),
-    rdzv_endpoint: str = typer.Option(None, "--rdzv-endpoint", show_default="standalone",
-                                      help="HOST:PORT of torchrun's c10d rendezvous."),
+    device: str = typer.Option("auto", "--device", show_default=True, help="auto, cpu or cuda."),
+    gpus: int = typer.Option(
+        1,
+        "--gpus",
+        show_default=True,
+        help="GPUs on this node: >1 re-launches under torchrun (NCCL).",
+    ),
+    nproc: int = typer.Option(
+        1,
+        "--nproc",
+        show_default=True,
+        help="CPU processes on this node: >1 re-launches under torchrun (gloo).",
+    ),
+    nnodes: int = typer.Option(
+        1,
+        "--nnodes",
+        show_default=True,
+        help="Nodes (multi-node: run the same command on each; needs --rdzv-endpoint).",
+    ),
+    rdzv_endpoint: str = typer.Option(
+        None,
+        "--rdzv-endpoint",
+        show_default="standalone",
+        help="HOST:PORT of torchrun's c10d rendezvous.",
+    ),
 ) -> None:
     """Train a Transformer on DATA/bin; resumes when -o holds checkpoint_last.pt."""
     flags = dict(locals())  # every option by name, for TrainConfig below
@@ -151,24 +258,36 @@ def command(
             raise UsageError("--gpus needs --device cuda or auto; use --nproc for CPU")
         if nnodes > 1 and not rdzv_endpoint:
             raise UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT")
-        overrides = dict(encoder_layers=encoder_layers, decoder_layers=decoder_layers,
-                         d_model=d_model, d_ff=d_ff, heads=heads, d_k=d_k, d_v=d_v,
-                         dropout=dropout, attention_dropout=attention_dropout,
-                         activation_dropout=activation_dropout,
-                         learned_positions=learned_positions, max_positions=max_positions,
-                         pre_norm=pre_norm)
-        model_cfg = model_preset(arch, **overrides)
-        values = {f.name: flags[f.name] for f in dataclasses.fields(TrainConfig)}
-        train_cfg = TrainConfig(**values)
+        model_flags = {k: flags[k] for k in _MODEL_FLAGS}
+        train_flags = {f.name: flags[f.name] for f in dataclasses.fields(TrainConfig)}
+        model_cfg, train_cfg, sources = resolve(data, arch, model_flags, train_flags)
+        if sources:
+            console.print(
+                "nmt train: settings not at their defaults: "
+                + ", ".join(
+                    f"{k}={_value(k, model_cfg, train_cfg)} ({src})"
+                    for k, src in sorted(sources.items())
+                ),
+                markup=False,
+                soft_wrap=True,
+            )
         if device not in ("auto", "cpu", "cuda"):
             raise UsageError(f"unknown --device {device!r}; choose one of: auto, cpu, cuda")
         procs = max(gpus, nproc)
         if (procs > 1 or nnodes > 1) and not under_torchrun():
             code = relaunch(procs, sys.argv[1:], nnodes=nnodes, rdzv_endpoint=rdzv_endpoint)
             raise typer.Exit(code)
-        summary = train(data, output, model_cfg, train_cfg,
-                        device="cuda" if gpus > 1 and device == "auto" else device)
+        summary = train(
+            data,
+            output,
+            model_cfg,
+            train_cfg,
+            device="cuda" if gpus > 1 and device == "auto" else device,
+        )
         if summary.last_checkpoint is not None:
-            console.print(f"nmt train: stopped at update {summary.step} (epoch "
-                          f"{summary.epoch}); last checkpoint {summary.last_checkpoint}",
-                          markup=False, soft_wrap=True)
+            console.print(
+                f"nmt train: stopped at update {summary.step} (epoch "
+                f"{summary.epoch}); last checkpoint {summary.last_checkpoint}",
+                markup=False,
+                soft_wrap=True,
+            )

@@ -111,6 +111,9 @@ class Recipe:
     splits: dict[str, list[Corpus]]
     cleaning: Cleaning = field(default_factory=Cleaning)
     description: str = ""
+    # Training defaults for this data (`arch` plus ModelConfig / TrainConfig fields); they
+    # override nmt.config's defaults and are overridden by `nmt train` flags.
+    training: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for the manifest."""
@@ -184,7 +187,8 @@ class _Parser:
     def recipe(self, data: dict[str, Any], digest: str) -> Recipe:
         self.table(data, "", {"name": True, "description": False, "src_lang": True,
                               "tgt_lang": True, "vocab_size": True, "cleaning": False,
-                              "archives": True, "train": True, "valid": True, "test": True})
+                              "archives": True, "train": True, "valid": True, "test": True,
+                              "training": False})
         for key in ("name", "src_lang", "tgt_lang"):
             value = self.typed(data[key], key, str)
             if not _ID.match(value):
@@ -204,7 +208,8 @@ class _Parser:
                       vocab_size=vocab_size, archives=archives, splits=splits,
                       cleaning=self.cleaning(data.get("cleaning", {})),
                       description=self.typed(data.get("description", ""), "description",
-                                             str))
+                                             str),
+                      training=self.training(data.get("training", {})))
 
     def archive(self, aid: str, spec: Any) -> Archive:
         key = f"archives.{aid}"
@@ -290,3 +295,23 @@ class _Parser:
         if cleaning.max_words and cleaning.max_words < cleaning.min_words:
             raise self.fail("cleaning.max_words", "must be >= min_words")
         return cleaning
+
+    def training(self, value: Any) -> dict[str, Any]:
+        """`[training]`: `arch` and ModelConfig/TrainConfig fields, each of its default's type."""
+        from nmt.config import MODEL_PRESETS, ModelConfig, TrainConfig
+
+        defaults = {**ModelConfig().to_dict(), **TrainConfig().to_dict()}
+        for fixed in ("vocab_size", "pad_id"):  # come from the data, not the recipe
+            defaults.pop(fixed)
+        spec = self.table(value, "training", {"arch": False, **{k: False for k in defaults}})
+        if "arch" in spec and spec["arch"] not in MODEL_PRESETS:
+            raise self.fail("training.arch", f"unknown arch {spec['arch']!r}; choose one of: "
+                            f"{', '.join(MODEL_PRESETS)}")
+        for key, item in spec.items():
+            default = defaults.get(key)
+            if key == "arch" or default is None:
+                continue
+            kind: type | tuple[type, ...] = (int, float) if isinstance(default, float) \
+                else type(default)
+            self.typed(item, f"training.{key}", kind)
+        return dict(spec)
