@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from cli import average, bpe, prep, score, train, translate
+from cli import average, bpe, plot, prep, score, train, translate
 from nmt import __version__
 
 app = typer.Typer(
@@ -27,6 +27,7 @@ app.command("translate", help="Translate lines from stdin (or -i) with beam sear
     translate.command)
 app.command("score", help="Score hypotheses against references (sacreBLEU, paper BLEU).")(
     score.command)
+app.command("plot", help="Plot a run's training curves as a PNG (needs nmt[plot]).")(plot.command)
 
 
 def _version(value: bool) -> None:

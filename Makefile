@@ -1,0 +1,35 @@
+# `make demo`: the whole flow on Multi30k En->De, from a fresh clone to a BLEU score:
+# install, prep, bpe, train for MINUTES (default 15), average the last 5 checkpoints,
+# translate test2016, score. Re-running resumes where it stopped (training budgets are totals).
+#   make demo MINUTES=5          a shorter training budget
+#   make demo MIRROR=            force the real download instead of ../shared/data/multi30k
+
+PYTHON ?= python3
+VENV ?= .venv
+MINUTES ?= 15
+RECIPE := multi30k-en-de
+DATA ?= data/$(RECIPE)
+RUN ?= runs/$(RECIPE)
+SHARED_MIRROR := ../shared/data/multi30k
+MIRROR ?= $(if $(wildcard $(SHARED_MIRROR)/train.en),$(SHARED_MIRROR),)
+NMT := $(VENV)/bin/nmt
+
+.PHONY: demo install
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q torch==2.13.0 -e .
+	touch $@
+
+demo: install
+	$(NMT) prep $(RECIPE) -o $(DATA) $(if $(MIRROR),--mirror $(MIRROR))
+	$(NMT) bpe $(DATA)
+	$(NMT) train $(DATA) -o $(RUN) --max-minutes $(MINUTES)
+	$(NMT) average $(RUN) --last 5 -o $(RUN)/average.pt
+	$(NMT) translate -m $(RUN)/average.pt -i $(DATA)/test.src -o $(RUN)/test.hyp
+	$(NMT) score --ref $(DATA)/test.tgt -i $(RUN)/test.hyp --metrics bleu chrf \
+		| tee $(RUN)/test.score
+	@echo "model:       $(RUN)/average.pt (checkpoints and train_log.jsonl in $(RUN)/)"
+	@echo "translation: $(RUN)/test.hyp  (source $(DATA)/test.src, reference $(DATA)/test.tgt)"
+	@echo "scores:      $(RUN)/test.score"

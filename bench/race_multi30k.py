@@ -1,0 +1,350 @@
+"""Time-to-quality race on Multi30k En-De: nmt against fairseq, same machine, same budget.
+
+    .venv/bin/python bench/race_multi30k.py                 # budgets 5,10,20,30 minutes
+    .venv/bin/python bench/race_multi30k.py --quick         # smoke test: budgets 1,2
+
+What is held equal:
+- data: `nmt prep multi30k-en-de` (mirror ../shared/data/multi30k) into bench/out/race/data,
+  then `nmt bpe` (joint sentencepiece BPE, 8000 pieces). fairseq gets the same splits as
+  piece text encoded with that DATA/spm.model and a dictionary built from its vocabulary
+  (bench/_race_fairseq.py), so both models see identical token sequences;
+- model: `small` = 3+3 layers, d_model 256, d_ff 1024, 4 heads, all embeddings shared,
+  post-norm, sinusoidal positions, dropout 0.1;
+- budget: one training run per toolkit of max(budgets) wall-clock minutes (plus one save
+  interval and 30 s, so that the last mark has a checkpoint shortly before it), one after
+  the other on the same machine; the clock starts when the training process is launched,
+  so start-up (imports, data loading) counts against each toolkit. Checkpoints are saved
+  every minute or so; for each budget mark B, only the checkpoints whose file was complete
+  at launch + B minutes are "available at B minutes". Decoding happens after both runs, so
+  it never eats training time;
+- decoding: beam 4, length penalty 0.6 (each toolkit's own formula: nmt the paper's GNMT
+  penalty, fairseq score / length^0.6), max output length 0 * source + 50 pieces;
+- scoring: the same sacreBLEU call for both: detokenized BLEU (13a) and chrF of the
+  test2016 output against the untouched reference ../shared/data/multi30k/test_2016_flickr.de.
+
+Checkpoint choice (what each toolkit recommends): nmt averages the last 5 checkpoints saved
+by the mark (the paper, section 6.1: `nmt average` over checkpoints written 10 minutes apart;
+here about a minute apart). fairseq's checkpoint-averaging script (scripts/
+average_checkpoints.py) is not shipped in the fairseq-fixed wheel, so fairseq decodes the
+last checkpoint written by the mark (`--fairseq-average N` is therefore not offered).
+
+Training settings, each toolkit's best guess for a 5-30 minute CPU budget (override with
+--nmt-args / --fairseq-args): see `nmt_command` below and `train_command` in
+bench/_race_fairseq.py. Both use Adam (0.9, 0.98), an inverse-square-root schedule peaking
+near 1e-3 after 1000 warm-up updates (300 with --quick), label smoothing 0.1, 4096 tokens
+per batch, no validation during training.
+
+Writes OUT/race.json and OUT/race.png (BLEU against minutes, one line per toolkit), prints a
+table on stderr and one JSON line on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import sacrebleu
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _race_fairseq as fs
+
+REPO = Path(__file__).resolve().parents[1]
+NMT = Path(sys.executable).parent / "nmt"
+MIRROR = REPO.parent / "shared" / "data" / "multi30k"
+DATA = REPO / "bench" / "out" / "race" / "data"
+BEAM, ALPHA, MAX_LEN_B = 4, 0.6, 50
+AVERAGE_LAST = 5
+
+
+def run(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    """Run `cmd` to completion with stdout+stderr in `log`; exit with its tail on failure."""
+    with log.open("w", encoding="utf-8") as handle:
+        code = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env).returncode
+    if code:
+        tail = "\n".join(log.read_text(encoding="utf-8").splitlines()[-15:])
+        sys.exit(f"race: `{shlex.join(cmd[:3])} ...` failed (exit {code}); log {log}:\n{tail}")
+
+
+def prepare_data(mirror: Path) -> None:
+    """`nmt prep` + `nmt bpe` into bench/out/race/data, unless already done."""
+    DATA.parent.mkdir(parents=True, exist_ok=True)
+    if not (DATA / "manifest.json").exists():
+        run([str(NMT), "prep", "multi30k-en-de", "--mirror", str(mirror), "-o", str(DATA)],
+            DATA.parent / "prep.log")
+    if not (DATA / "bin" / "meta.json").exists():
+        run([str(NMT), "bpe", str(DATA)], DATA.parent / "bpe.log")
+
+
+def timed_train(cmd: list[str], log: Path, minutes: float,
+                env: dict[str, str] | None = None) -> dict[str, float]:
+    """Launch a training process, wait for it (killing it 2 minutes after its budget if it
+    has not stopped by itself) and return its launch and end times."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w", encoding="utf-8") as handle:
+        launch = time.time()
+        proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=minutes * 60 + 120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)  # the group of the process we started
+            code = proc.wait()
+    if code not in (0, -signal.SIGTERM):
+        tail = "\n".join(log.read_text(encoding="utf-8").splitlines()[-15:])
+        sys.exit(f"race: training failed (exit {code}); log {log}:\n{tail}")
+    return {"launch": launch, "end": time.time(), "exit_code": code}
+
+
+def nmt_command(run_dir: Path, minutes: float, save_minutes: float, warmup: int,
+                extra: list[str]) -> list[str]:
+    """nmt train for the race. Settings and why: the paper's Adam (0.9, 0.98, 1e-9),
+    schedule and label smoothing 0.1; --lr-scale 0.5 puts the peak at
+    0.5 * 256^-0.5 * 1000^-0.5 = 1e-3 (the paper's 1.0 with warmup 4000 peaks at 1e-3 for
+    d_model 512 too, but 4000 warm-up updates are most of a 30-minute CPU budget);
+    max-tokens 4096 per batch; dropout 0.1 (the preset's); checkpoints every
+    `save_minutes`, all kept so that every budget mark can find its last five;
+    validation off (it would eat the budget)."""
+    return [str(NMT), "train", str(DATA), "-o", str(run_dir), "--arch", "small",
+            "--lr-scale", "0.5", "--warmup", str(warmup), "--max-tokens", "4096",
+            "--max-minutes", str(minutes), "--save-interval-minutes", str(save_minutes),
+            "--keep-last", "1000", "--valid-interval", "1000000000", "--log-interval", "50",
+            "--device", "cpu", "--seed", "1", *extra]
+
+
+def nmt_checkpoints(run_dir: Path) -> list[Path]:
+    """checkpoint_{step}.pt files, oldest first by file time (checkpoint_last is a copy)."""
+    found = [p for p in run_dir.glob("checkpoint_*.pt") if p.stem.split("_")[1].isdigit()]
+    return sorted(found, key=lambda p: p.stat().st_mtime)
+
+
+def available(paths: list[Path], launch: float, minutes: float) -> list[Path]:
+    """The checkpoints complete at launch + `minutes` (written atomically, so mtime is when
+    the file became complete)."""
+    return [p for p in paths if p.stat().st_mtime - launch <= minutes * 60]
+
+
+def score(hyps: list[str], refs: list[str]) -> dict[str, object]:
+    """Detokenized sacreBLEU (13a) and chrF, with their signatures."""
+    if len(hyps) != len(refs):
+        sys.exit(f"race: {len(hyps)} hypotheses for {len(refs)} references")
+    bleu = sacrebleu.metrics.BLEU()
+    chrf = sacrebleu.metrics.CHRF()
+    return {"bleu": round(bleu.corpus_score(hyps, [refs]).score, 2),
+            "chrf": round(chrf.corpus_score(hyps, [refs]).score, 2),
+            "bleu_signature": str(bleu.get_signature()),
+            "chrf_signature": str(chrf.get_signature())}
+
+
+def decode_nmt(run_dir: Path, ckpts: list[Path], budget: float, src: Path, refs: list[str],
+               work: Path) -> dict[str, object]:
+    """Average the last 5 checkpoints available at `budget`, translate test2016, score."""
+    chosen = ckpts[-AVERAGE_LAST:]
+    model = work / f"average_{budget:g}min.pt"
+    if len(chosen) > 1:
+        run([str(NMT), "average", *map(str, chosen), "-o", str(model)],
+            work / f"average_{budget:g}min.log")
+    else:
+        model = chosen[0]
+    hyp = work / f"test_{budget:g}min.hyp"
+    start = time.perf_counter()
+    run([str(NMT), "translate", "-m", str(model), "-i", str(src), "-o", str(hyp),
+         "--beam", str(BEAM), "--alpha", str(ALPHA), "--max-len-a", "0",
+         "--max-len-b", str(MAX_LEN_B), "--device", "cpu"], work / f"translate_{budget:g}min.log")
+    seconds = time.perf_counter() - start
+    hyps = hyp.read_text(encoding="utf-8").splitlines()
+    steps = [int(p.stem.split("_")[1]) for p in chosen]
+    return {"checkpoints": [p.name for p in chosen], "update": max(steps),
+            "decode_seconds": round(seconds, 1), **score(hyps, refs)}
+
+
+def decode_fairseq(bin_dir: Path, data_bin: Path, ckpts: list[Path], budget: float,
+                   refs: list[str], work: Path) -> dict[str, object]:
+    """Decode the last checkpoint available at `budget` with fairseq-generate, score."""
+    chosen = ckpts[-1]
+    start = time.perf_counter()
+    hyps = fs.generate(bin_dir, data_bin, chosen, DATA / "spm.model", BEAM, ALPHA, MAX_LEN_B,
+                       work / f"generate_{budget:g}min.log")
+    seconds = time.perf_counter() - start
+    (work / f"test_{budget:g}min.hyp").write_text("".join(h + "\n" for h in hyps),
+                                                  encoding="utf-8")
+    return {"checkpoints": [chosen.name], "update": fs.num_updates(bin_dir, [chosen])[0],
+            "decode_seconds": round(seconds, 1), **score(hyps, refs)}
+
+
+def plot(results: dict[str, list[dict]], path: Path, title: str) -> bool:
+    """BLEU against minutes, one line per toolkit; False when matplotlib is missing."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        print("race: matplotlib missing (pip install 'nmt[plot]'); no race.png",
+              file=sys.stderr)
+        return False
+    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
+    ax = fig.subplots()
+    for toolkit, rows in results.items():
+        xs = [r["minutes"] for r in rows if r.get("bleu") is not None]
+        ys = [r["bleu"] for r in rows if r.get("bleu") is not None]
+        ax.plot(xs, ys, marker="o", label=toolkit)
+        for x, y in zip(xs, ys, strict=True):
+            ax.annotate(f"{y:.1f}", (x, y), textcoords="offset points", xytext=(0, 6),
+                        ha="center", fontsize=8)
+    ax.set_xlabel("training wall-clock minutes (from process launch)")
+    ax.set_ylabel("BLEU, test2016 (sacreBLEU, detok.)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, format="png", dpi=110)
+    os.replace(tmp, path)
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--budgets", default="5,10,20,30",
+                        help="Budget marks in minutes (default: 5,10,20,30).")
+    parser.add_argument("--quick", action="store_true",
+                        help="Smoke test: budgets 1,2, saves every 15 s, warmup 300, first "
+                        "200 test lines, output in bench/out/race-quick.")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="Output folder (default bench/out/race, or race-quick).")
+    parser.add_argument("--mirror", type=Path, default=MIRROR,
+                        help=f"Multi30k mirror for nmt prep (default {MIRROR}).")
+    parser.add_argument("--toolkits", default="nmt,fairseq",
+                        help="Which sides to run (default: nmt,fairseq).")
+    parser.add_argument("--save-minutes", type=float, default=None,
+                        help="nmt checkpoint interval (default 1.0; 0.25 with --quick).")
+    parser.add_argument("--fairseq-save-updates", type=int, default=None,
+                        help="fairseq checkpoint interval in updates (default 100; 5 with "
+                        "--quick); it also saves at every epoch end.")
+    parser.add_argument("--nmt-args", default="", help="Extra `nmt train` flags.")
+    parser.add_argument("--fairseq-args", default="", help="Extra fairseq-train flags.")
+    parser.add_argument("--retrain", action="store_true",
+                        help="Delete earlier runs in OUT instead of reusing them.")
+    args = parser.parse_args()
+
+    budgets = [1.0, 2.0] if args.quick else [float(b) for b in args.budgets.split(",")]
+    budgets = sorted(budgets)
+    out = args.out or REPO / "bench" / "out" / ("race-quick" if args.quick else "race")
+    save_minutes = args.save_minutes or (0.25 if args.quick else 1.0)
+    fs_save_updates = args.fairseq_save_updates or (5 if args.quick else 100)
+    warmup = 300 if args.quick else 1000
+    test_lines = 200 if args.quick else None
+    toolkits = [t.strip() for t in args.toolkits.split(",") if t.strip()]
+    # Train a little past the last mark, so that a checkpoint saved shortly before it (and
+    # not only the one at the process's own stop, which start-up pushes past the mark) exists.
+    minutes = max(budgets) + save_minutes + 0.5
+    out.mkdir(parents=True, exist_ok=True)
+
+    prepare_data(args.mirror)
+    manifest = json.loads((DATA / "manifest.json").read_text(encoding="utf-8"))
+    src_lang, tgt_lang = manifest["src_lang"], manifest["tgt_lang"]
+    refs = (args.mirror / "test_2016_flickr.de").read_text(encoding="utf-8").splitlines()
+    refs = refs[:test_lines]
+    test_src = out / "test.src"
+    test_src.write_text("".join(line + "\n" for line in (DATA / "test.src").read_text(
+        encoding="utf-8").splitlines()[:test_lines]), encoding="utf-8")
+
+    # ---- training: one after the other, nothing else of ours running ----
+    timing_path = out / "timing.json"
+    timing = json.loads(timing_path.read_text()) if timing_path.exists() else {}
+    commands: dict[str, list[str]] = {}
+    fs_bin = fs_data = None
+    if "fairseq" in toolkits:
+        fs_bin = fs.ensure_venv()
+        fs_data = fs.prepare(DATA, out / "fairseq", src_lang, tgt_lang, fs_bin, test_lines)
+    for toolkit in toolkits:
+        run_dir = out / toolkit / "run"
+        if toolkit == "nmt":
+            cmd = nmt_command(run_dir, minutes, save_minutes, warmup, shlex.split(args.nmt_args))
+            env = None
+        elif toolkit == "fairseq":
+            assert fs_bin is not None and fs_data is not None
+            cmd = fs.train_command(fs_bin, fs_data, run_dir, minutes, fs_save_updates, warmup,
+                                   shlex.split(args.fairseq_args))
+            env = fs.ENV
+        else:
+            sys.exit(f"race: unknown toolkit {toolkit!r}; choose among nmt, fairseq")
+        commands[toolkit] = cmd
+        if toolkit in timing and not args.retrain and run_dir.exists():
+            print(f"race: reusing the {toolkit} run in {run_dir} (--retrain to redo)",
+                  file=sys.stderr)
+            continue
+        if run_dir.exists():
+            for path in sorted(run_dir.iterdir()):
+                path.unlink()
+        print(f"race: training {toolkit} for {minutes:g} minutes", file=sys.stderr)
+        timing[toolkit] = timed_train(cmd, out / toolkit / "train.log", minutes, env)
+        timing_path.write_text(json.dumps(timing, indent=1))
+
+    # ---- decoding and scoring, after all training ----
+    results: dict[str, list[dict]] = {}
+    for toolkit in toolkits:
+        run_dir = out / toolkit / "run"
+        work = out / toolkit / "decode"
+        work.mkdir(parents=True, exist_ok=True)
+        ckpts = (nmt_checkpoints(run_dir) if toolkit == "nmt" else fs.checkpoints(run_dir))
+        launch = timing[toolkit]["launch"]
+        rows = []
+        for budget in budgets:
+            have = available(ckpts, launch, budget)
+            row: dict[str, object] = {"minutes": budget}
+            if not have:
+                row.update(bleu=None, chrf=None, note="no checkpoint written by then")
+            elif toolkit == "nmt":
+                row.update(decode_nmt(run_dir, have, budget, test_src, refs, work))
+            else:
+                assert fs_bin is not None and fs_data is not None
+                row.update(decode_fairseq(fs_bin, fs_data, have, budget, refs, work))
+            if have:
+                row["written_at_minutes"] = round(
+                    (have[-1].stat().st_mtime - launch) / 60, 2)
+            print(f"race: {toolkit} at {budget:g} min: BLEU {row['bleu']} chrF {row['chrf']}",
+                  file=sys.stderr)
+            rows.append(row)
+        results[toolkit] = rows
+
+    report = {
+        "benchmark": "race_multi30k", "quick": args.quick, "budgets_minutes": budgets,
+        "test": f"test_2016_flickr ({len(refs)} lines)", "data": str(DATA),
+        "decoding": {"beam": BEAM, "length_penalty": ALPHA, "max_len": f"0*src+{MAX_LEN_B}"},
+        "checkpoint_choice": {"nmt": f"average of the last {AVERAGE_LAST} saved by the mark",
+                              "fairseq": "last saved by the mark (average_checkpoints.py is "
+                              "not in the fairseq-fixed wheel)"},
+        "commands": {k: shlex.join(v) for k, v in commands.items()},
+        "training": {k: {"minutes_run": round((v["end"] - v["launch"]) / 60, 2),
+                         "exit_code": v["exit_code"]} for k, v in timing.items()
+                     if k in toolkits},
+        # A busy machine slows both sides: compare figures only from a quiet one.
+        "host": {"cpus": os.cpu_count(), "load_average_at_end": os.getloadavg()},
+        "results": results,
+    }
+    (out / "race.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    plotted = plot(results, out / "race.png",
+                   f"Multi30k En-De test2016, small model, {os.cpu_count()} CPU cores")
+
+    print(f"{'minutes':>8} " + " ".join(f"{t + ' BLEU':>13} {t + ' chrF':>13}"
+                                        for t in toolkits), file=sys.stderr)
+    for i, budget in enumerate(budgets):
+        cells = " ".join(f"{results[t][i]['bleu']!s:>13} {results[t][i]['chrf']!s:>13}"
+                         for t in toolkits)
+        print(f"{budget:>8g} {cells}", file=sys.stderr)
+    print(f"race: wrote {out / 'race.json'}" + (f" and {out / 'race.png'}" if plotted else ""),
+          file=sys.stderr)
+    summary = {"benchmark": "race_multi30k", "quick": args.quick,
+               **{f"{t}_bleu": {f"{r['minutes']:g}": r["bleu"] for r in results[t]}
+                  for t in toolkits},
+               **{f"{t}_chrf": {f"{r['minutes']:g}": r["chrf"] for r in results[t]}
+                  for t in toolkits}}
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
