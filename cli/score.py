@@ -1,10 +1,53 @@
-"""`nmt score`: not built yet."""
+"""`nmt score --ref REF [-i HYP]`: sacreBLEU with its signature, or the paper's BLEU."""
 
 from __future__ import annotations
 
-from cli.common import not_built
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+from cli.common import handle_errors
+from nmt.score import METRICS, score_files
+
+PAPER_LABEL = ("paper-style tokenized BLEU (Moses tokenizer, ##AT## compound splitting, "
+               "multi-bleu; NOT comparable to sacreBLEU): ")
 
 
-def command() -> None:
-    """Not built yet."""
-    not_built("score", "its issue")
+def command(
+    ref: Path = typer.Option(..., "--ref", "-r", help="Reference file, one segment a line."),
+    hyp: Path = typer.Option(None, "--input", "-i", show_default="stdin",
+                             help="Hypothesis file, one segment a line."),
+    metrics: list[str] = typer.Option(["bleu"], "--metrics", "-M", show_default=True,
+                                      help=f"Metrics among {', '.join(METRICS)}; repeat the "
+                                      "option or separate with commas (bleu,chrf,ter)."),
+    tokenize: str = typer.Option(None, "--tokenize", show_default="13a",
+                                 help="Any sacreBLEU BLEU tokenizer (13a, intl, zh, char, "
+                                 "none, ...)."),
+    lowercase: bool = typer.Option(False, "--lowercase", show_default=True,
+                                   help="Case-insensitive scores."),
+    paper: bool = typer.Option(False, "--paper", show_default=True,
+                               help="The paper's tokenized BLEU with compound splitting "
+                               "(tensor2tensor get_ende_bleu.sh), labelled as such."),
+    lang: str = typer.Option(None, "--lang", show_default="the reference file's extension",
+                             help="Target language for the Moses tokenizer of --paper."),
+    as_json: bool = typer.Option(False, "--json", show_default=True,
+                                 help="Print one JSON line instead of human-readable lines."),
+) -> None:
+    """Score hypotheses against references: sacreBLEU 13a BLEU with its signature by
+    default; data lines go to stdout."""
+    with handle_errors("score"):
+        names = [m.strip().lower() for item in metrics for m in item.split(",") if m.strip()]
+        data = None if hyp is not None else sys.stdin.buffer.read()
+        scores = score_files(ref, hyp, data, metrics=names, tokenize=tokenize,
+                             lowercase=lowercase, paper=paper, lang=lang)
+        if as_json:
+            record = {"ref": str(ref), "hyp": str(hyp) if hyp else "<stdin>",
+                      "scores": [s.to_dict() for s in scores]}
+            sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
+        else:
+            for s in scores:
+                label = PAPER_LABEL if s.metric == "bleu-paper" else ""
+                sys.stdout.write(f"{label}{s.text}\nsignature: {s.signature}\n")
+        sys.stdout.flush()

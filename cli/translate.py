@@ -1,10 +1,101 @@
-"""`nmt translate`: not built yet."""
+"""`nmt translate -m MODEL [-i IN] [-o OUT]`: stdin lines to stdout lines, one for one."""
 
 from __future__ import annotations
 
-from cli.common import not_built
+import contextlib
+import sys
+from pathlib import Path
+from typing import BinaryIO
+
+import typer
+
+from cli.common import console, handle_errors, warn
+from nmt.checkpoint import atomic_write_bytes
+from nmt.config import DecodeConfig
+from nmt.errors import DataError
+from nmt.translate import TranslateStats, Translator, translate_stream
+
+_D = DecodeConfig()
 
 
-def command() -> None:
-    """Not built yet."""
-    not_built("translate", "its issue")
+def command(
+    models: list[Path] = typer.Option(..., "--model", "-m", help="Checkpoint (from train "
+                                      "or average); repeat for an ensemble (probabilities "
+                                      "averaged)."),
+    input_path: Path = typer.Option(None, "--input", "-i", show_default="stdin",
+                                    help="Source text, one segment a line."),
+    output: Path = typer.Option(None, "--output", "-o", show_default="stdout",
+                                help="Output file, written atomically when complete."),
+    beam: int = typer.Option(_D.beam, "--beam", show_default=True, help="Beam size."),
+    alpha: float = typer.Option(_D.alpha, "--alpha", show_default=True,
+                                help="GNMT length penalty ((5+|Y|)/6)^alpha, |Y| counting "
+                                "EOS; 0 = raw log-probability; a larger alpha favours "
+                                "longer output."),
+    max_len_a: float = typer.Option(_D.max_len_a, "--max-len-a", show_default=True,
+                                    help="Max output pieces = a * source tokens + b "
+                                    "(per sentence, source counted with EOS)."),
+    max_len_b: int = typer.Option(_D.max_len_b, "--max-len-b", show_default=True,
+                                  help="See --max-len-a."),
+    nbest: int = typer.Option(_D.nbest, "--nbest", show_default=True,
+                              help="Hypotheses per line; > 1 prints "
+                              "index<TAB>score<TAB>text lines (index from 0)."),
+    sampling: bool = typer.Option(_D.sampling, "--sampling", show_default=True,
+                                  help="Sample instead of beam search."),
+    temperature: float = typer.Option(_D.temperature, "--temperature", show_default=True,
+                                      help="Sampling temperature."),
+    top_k: int = typer.Option(_D.top_k, "--top-k", show_default=True,
+                              help="Sample among the k best tokens; 0 = all."),
+    top_p: float = typer.Option(_D.top_p, "--top-p", show_default=True,
+                                help="Nucleus sampling mass; 1.0 = off."),
+    max_tokens: int = typer.Option(_D.max_tokens, "--max-tokens", show_default=True,
+                                   help="Source tokens per batch, padding included."),
+    buffer_size: int = typer.Option(_D.buffer_size, "--buffer-size", show_default=True,
+                                    help="Lines read ahead and length-sorted."),
+    max_src_len: int = typer.Option(None, "--max-src-len", show_default="model positions "
+                                    "- 1", help="Longer lines are truncated (with a "
+                                    "warning), never dropped."),
+    errors: str = typer.Option("replace", "--errors", show_default=True,
+                               help="Invalid UTF-8: 'replace' (U+FFFD) or 'strict' (exit 3 "
+                               "naming the line)."),
+    device: str = typer.Option("auto", "--device", show_default=True,
+                               help="auto | cpu | cuda."),
+    precision: str = typer.Option("fp32", "--precision", show_default=True,
+                                  help="fp32 | bf16 | fp16 model weights."),
+    stats: bool = typer.Option(False, "--stats", show_default=True,
+                               help="Print sentences/s and target tokens/s on stderr."),
+    seed: int = typer.Option(1, "--seed", show_default=True, help="Seed for --sampling."),
+) -> None:
+    """Translate one output line per input line (a line ends at \\n only), in input
+    order; beam 4 and alpha 0.6 as in the paper. Exit codes: 3 bad input (e.g. --errors
+    strict), 6 unloadable or unsafe checkpoint."""
+    with handle_errors("translate"):
+        cfg = DecodeConfig(beam=beam, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
+                           nbest=nbest, sampling=sampling, temperature=temperature,
+                           top_k=top_k, top_p=top_p, max_tokens=max_tokens,
+                           buffer_size=buffer_size)
+        translator = Translator.load(models, cfg, device=device, precision=precision,
+                                     max_src_len=max_src_len, seed=seed)
+        interactive = input_path is None and sys.stdin.isatty()
+        name = str(input_path) if input_path is not None else "<stdin>"
+
+        def run(source: BinaryIO, sink: BinaryIO) -> TranslateStats:
+            return translate_stream(source, sink, translator, interactive=interactive,
+                                    errors=errors, source_name=name,
+                                    warn=lambda msg: warn("translate", msg))
+
+        results: list[TranslateStats] = []
+        try:
+            with contextlib.ExitStack() as stack:
+                source = (stack.enter_context(open(input_path, "rb")) if input_path
+                          else sys.stdin.buffer)
+                if output is None:
+                    results.append(run(source, sys.stdout.buffer))
+                else:
+                    atomic_write_bytes(output, lambda sink: results.append(run(source, sink)))
+        except BrokenPipeError:
+            raise
+        except OSError as err:
+            raise DataError(f"{err.filename or name}: {err.strerror or err}") from err
+        if stats:
+            console.print(f"nmt translate: {results[0].summary()}", markup=False,
+                          soft_wrap=True)

@@ -1,0 +1,237 @@
+"""The streaming translation pipeline: bytes in, one line out per line in, order kept.
+
+Reads ahead `buffer_size` lines (one at a time when interactive), sorts them by length,
+batches them by padded source tokens, runs the search and writes the buffer's output in
+input order, then flushes so a pipeline streams. A line ends at `\\n` only (a lone `\\r` is
+part of it); empty lines give empty lines without a model call; over-long lines are
+truncated with a warning, never dropped; invalid UTF-8 is replaced or, with
+errors="strict", a DataError naming the line. Nothing here prints: warnings go to the
+caller's `warn` callback.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+from nmt.checkpoint import load_model
+from nmt.config import PRECISIONS, DecodeConfig
+from nmt.errors import CheckpointError, DataError, UsageError
+from nmt.search import (
+    EnsembleStepDecoder,
+    Hypothesis,
+    ModelStepDecoder,
+    beam_search,
+    max_output_lengths,
+    sample_decode,
+)
+from nmt.vocab import EOS_ID, PAD_ID, Vocab
+
+ERROR_MODES = ("replace", "strict")
+DEVICES = ("auto", "cpu", "cuda")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class TranslateStats:
+    """Counters for `--stats`: input lines, source/target tokens (incl. EOS), seconds."""
+
+    sentences: int = 0
+    src_tokens: int = 0
+    tgt_tokens: int = 0
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        """One human line: sentences/s and target tokens/s."""
+        secs = max(self.seconds, 1e-9)
+        return (f"{self.sentences} sentences, {self.tgt_tokens} target tokens in "
+                f"{self.seconds:.2f} s: {self.sentences / secs:.1f} sentences/s, "
+                f"{self.tgt_tokens / secs:.1f} target tokens/s")
+
+
+def resolve_device(device: str) -> torch.device:
+    """auto -> cuda when available, else cpu; asking for missing cuda is a usage error."""
+    if device not in DEVICES:
+        raise UsageError(f"unknown device {device!r}; choose one of: {', '.join(DEVICES)}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda asked for but no CUDA device is available; "
+                         "use --device cpu")
+    return torch.device(device)
+
+
+class Translator:
+    """One model or an ensemble sharing a vocabulary, with the search settings."""
+
+    def __init__(self, models: Sequence[torch.nn.Module], vocab: Vocab, cfg: DecodeConfig,
+                 device: torch.device, max_src_len: int | None = None, seed: int = 1) -> None:
+        self.models = list(models)
+        self.vocab = vocab
+        self.cfg = cfg
+        self.device = device
+        # Decoder positions 0..max_len are used (BOS + max_len pieces), the encoder's
+        # 0..len (pieces + EOS): both must stay below every model's max_positions.
+        self.max_positions = min(m.cfg.max_positions for m in self.models)
+        limit = self.max_positions - 1
+        if max_src_len is not None and not 0 < max_src_len <= limit:
+            raise UsageError(f"--max-src-len must be in 1..{limit} (the model's positions "
+                             f"minus EOS), got {max_src_len}")
+        self.max_src_len = max_src_len if max_src_len is not None else limit
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    @classmethod
+    def load(cls, paths: Sequence[Path], cfg: DecodeConfig, device: str = "auto",
+             precision: str = "fp32", max_src_len: int | None = None,
+             seed: int = 1) -> Translator:
+        """Load checkpoints safely (weights_only); an ensemble must share one vocabulary."""
+        if not paths:
+            raise UsageError("no model given; pass -m MODEL (repeat it for an ensemble)")
+        if precision not in PRECISIONS:
+            raise UsageError(f"unknown precision {precision!r}; choose one of: "
+                             f"{', '.join(PRECISIONS)}")
+        dev = resolve_device(device)
+        models, vocab = [], None
+        for path in paths:
+            model, model_vocab, _ = load_model(Path(path), dev)
+            if vocab is not None and model_vocab.proto != vocab.proto:
+                raise CheckpointError(f"{path}: vocabulary differs from {paths[0]}; an "
+                                      "ensemble needs models trained on one vocabulary")
+            vocab = model_vocab
+            models.append(model.to(_DTYPES[precision]))
+        assert vocab is not None
+        return cls(models, vocab, cfg, dev, max_src_len, seed)
+
+    def translate_ids(self, sources: Sequence[Sequence[int]]) -> list[list[Hypothesis]]:
+        """Search for each source (piece ids without EOS); one list of hypotheses each."""
+        width = max(len(s) for s in sources) + 1
+        src = torch.full((len(sources), width), PAD_ID, dtype=torch.long)
+        for row, ids in enumerate(sources):
+            src[row, :len(ids)] = torch.tensor(list(ids), dtype=torch.long)
+            src[row, len(ids)] = EOS_ID
+        src = src.to(self.device)  # (batch, src_len)
+        cfg = self.cfg
+        max_lens = max_output_lengths(src, cfg.max_len_a, cfg.max_len_b,
+                                      cap=self.max_positions - 1)
+        with torch.inference_mode():
+            decoder = EnsembleStepDecoder([ModelStepDecoder(m, src) for m in self.models])
+            if not cfg.sampling:
+                return beam_search(decoder, max_lens, cfg.beam, cfg.alpha, cfg.nbest)
+            rows = torch.arange(len(sources), device=self.device).repeat_interleave(cfg.nbest)
+            decoder.reorder(rows)  # (batch * nbest,): independent samples
+            flat = sample_decode(decoder, max_lens[rows], cfg.temperature, cfg.top_k,
+                                 cfg.top_p, cfg.alpha, self.generator)
+        return [sorted(flat[i * cfg.nbest:(i + 1) * cfg.nbest], key=lambda h: -h.score)
+                for i in range(len(sources))]
+
+
+def read_lines(source: BinaryIO) -> Iterator[bytes]:
+    """Raw lines split on b"\\n" only (the newline removed); a last line without a final
+    newline is still a line. Reads as it goes, so a terminal gets line-by-line service."""
+    for raw in iter(source.readline, b""):
+        yield raw[:-1] if raw.endswith(b"\n") else raw
+
+
+def decode_line(raw: bytes, line_no: int, errors: str, source_name: str) -> str:
+    """UTF-8 text of one line; strict mode names the line and byte offset."""
+    try:
+        return raw.decode("utf-8", errors="strict" if errors == "strict" else "replace")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{source_name}: line {line_no}: invalid UTF-8 at byte {err.start} "
+                        "(use --errors replace to substitute U+FFFD)") from err
+
+
+def batches_by_tokens(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices sorted by length, cut into batches whose padded size (sentences x longest,
+    EOS included) stays within max_tokens; a sentence always fits in a batch of its own."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        if current and (len(current) + 1) * (lengths[i] + 1) > max_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def sanitize(text: str) -> str:
+    """Output text on one line: carriage returns and newlines become spaces."""
+    return text.replace("\r", " ").replace("\n", " ")
+
+
+def translate_stream(source: BinaryIO, sink: BinaryIO, translator: Translator, *,
+                     buffer_size: int | None = None, interactive: bool = False,
+                     errors: str = "replace", source_name: str = "<stdin>",
+                     warn: Callable[[str], None] = lambda _msg: None) -> TranslateStats:
+    """Translate every line of `source` into `sink`, one output line (or nbest lines) per
+    input line, in order, flushing after each buffer; returns counters for --stats."""
+    if errors not in ERROR_MODES:
+        raise UsageError(f"unknown --errors {errors!r}; choose one of: {', '.join(ERROR_MODES)}")
+    size = 1 if interactive else (buffer_size or translator.cfg.buffer_size)
+    stats = TranslateStats()
+    start = time.perf_counter()
+    buffer: list[tuple[int, bytes]] = []
+    for line_no, raw in enumerate(read_lines(source), start=1):
+        buffer.append((line_no, raw))
+        if len(buffer) >= size:
+            _translate_buffer(buffer, sink, translator, errors, source_name, warn, stats)
+            buffer = []
+    if buffer:
+        _translate_buffer(buffer, sink, translator, errors, source_name, warn, stats)
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def _translate_buffer(buffer: list[tuple[int, bytes]], sink: BinaryIO, translator: Translator,
+                      errors: str, source_name: str, warn: Callable[[str], None],
+                      stats: TranslateStats) -> None:
+    """Encode, truncate, batch, search and write one buffer of lines in input order."""
+    texts = [decode_line(raw, n, errors, source_name) for n, raw in buffer]
+    nonempty = [i for i, text in enumerate(texts) if text]
+    encoded = translator.vocab.encode([texts[i] for i in nonempty]) if nonempty else []
+    limit = translator.max_src_len
+    sources: list[list[int]] = []
+    owners: list[int] = []  # buffer position of each source
+    for i, ids in zip(nonempty, encoded, strict=True):
+        if not ids:
+            continue  # whitespace only: nothing to translate
+        if len(ids) > limit:
+            warn(f"{source_name}: line {buffer[i][0]}: {len(ids)} source tokens exceed "
+                 f"--max-src-len {limit}; truncated to the first {limit}")
+            ids = ids[:limit]
+        sources.append(ids)
+        owners.append(i)
+    results: list[list[Hypothesis]] = [[] for _ in buffer]
+    for batch in batches_by_tokens([len(s) for s in sources], translator.cfg.max_tokens):
+        hyps = translator.translate_ids([sources[j] for j in batch])
+        for j, sent_hyps in zip(batch, hyps, strict=True):
+            results[owners[j]] = sent_hyps
+    lines = [_format(buffer[i][0] - 1, results[i], translator) for i in range(len(buffer))]
+    sink.write("".join(lines).encode("utf-8", errors="replace"))
+    sink.flush()
+    stats.sentences += len(buffer)
+    stats.src_tokens += sum(len(s) + 1 for s in sources)
+    stats.tgt_tokens += sum(len(results[i][0].tokens) + 1 for i in owners if results[i])
+
+
+def _format(index: int, hyps: list[Hypothesis], translator: Translator) -> str:
+    """The output line (or nbest `index<TAB>score<TAB>text` lines) of one input line."""
+    texts = translator.vocab.decode([h.tokens for h in hyps]) if hyps else []
+    nbest = translator.cfg.nbest
+    if nbest == 1:
+        return (sanitize(texts[0]) if texts else "") + "\n"
+    out = []
+    for k in range(nbest):
+        if k < len(hyps):
+            out.append(f"{index}\t{hyps[k].score:.4f}\t{sanitize(texts[k])}\n")
+        else:  # empty input line, or fewer hypotheses than asked
+            out.append(f"{index}\t{0.0 if not hyps else float('-inf'):.4f}\t\n")
+    return "".join(out)

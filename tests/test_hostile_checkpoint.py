@@ -1,0 +1,89 @@
+"""Issue 6, hostile files: a checkpoint that runs code when unpickled is refused by
+`translate` and `average` (exit 6, one line), and the code provably never runs."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_translate_util import (
+    cli_nmt,
+    make_checkpoint,
+    make_vocab,
+    one_thread,  # noqa: F401
+    run_nmt,
+)
+
+from nmt.checkpoint import FORMAT
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class _RunsCode:
+    """Unpickling this calls os.system(command): what an attacker would ship."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self) -> tuple:
+        return (os.system, (self.command,))
+
+
+def hostile_files(tmp_path: Path, marker: Path) -> list[Path]:
+    """The same payload as a torch zip checkpoint and as a bare (legacy) pickle."""
+    evil = _RunsCode(f"touch {marker}")
+    zipped = tmp_path / "evil_zip.pt"
+    torch.save({"format": FORMAT, "step": 1, "model_config": {}, "vocab": b"",
+                "model": evil}, zipped)
+    bare = tmp_path / "evil_pickle.pt"
+    bare.write_bytes(pickle.dumps({"format": FORMAT, "model": evil}))
+    return [zipped, bare]
+
+
+def test_control_the_files_do_run_code_when_loaded_unsafely(tmp_path: Path) -> None:
+    """Without this, a refusal could be a broken file rather than a blocked attack."""
+    marker = tmp_path / "control_marker"
+    for path in hostile_files(tmp_path, marker):
+        code = ("import torch, sys; torch.load(sys.argv[1], weights_only=False)")
+        subprocess.run([sys.executable, "-c", code, str(path)], check=False,
+                       capture_output=True, timeout=120)
+        assert marker.exists(), path
+        marker.unlink()
+
+
+@pytest.mark.parametrize("runner", ["in_process",
+                                    pytest.param("subprocess", marks=pytest.mark.slow)])
+def test_translate_and_average_refuse_and_nothing_runs(tmp_path: Path, runner: str) -> None:
+    marker = tmp_path / "pwned_marker"
+    run = cli_nmt if runner == "in_process" else run_nmt
+    for path in hostile_files(tmp_path, marker):
+        result = run("translate", "-m", str(path), input=b"hello\n")
+        assert result.returncode == 6, result.stderr
+        lines = result.stderr.decode().strip().splitlines()
+        assert len(lines) == 1 and "refused to load" in lines[0] and str(path) in lines[0]
+        assert result.stdout == b""
+        out = tmp_path / "avg.pt"
+        result = run("average", str(path), str(path), "-o", str(out))
+        assert result.returncode == 6 and b"refused to load" in result.stderr
+        assert not out.exists()
+        assert not marker.exists()
+
+
+def test_average_refuses_a_run_dir_holding_one_hostile_file(tmp_path: Path) -> None:
+    from conftest import shared_data_path
+
+    marker = tmp_path / "pwned_marker"
+    spm = make_vocab(shared_data_path("multi30k"), tmp_path / "spm")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    make_checkpoint(spm, run_dir / "checkpoint_10.pt", step=10)
+    evil = hostile_files(tmp_path, marker)[0]
+    (run_dir / "checkpoint_20.pt").write_bytes(evil.read_bytes())
+    result = cli_nmt("average", str(run_dir), "--last", "1", "-o", str(tmp_path / "o.pt"))
+    assert result.returncode == 6 and b"checkpoint_20.pt: refused to load" in result.stderr
+    assert not marker.exists() and not (tmp_path / "o.pt").exists()

@@ -1,0 +1,120 @@
+"""`nmt score` on the real newstest2014 files, checked against sacreBLEU's own API."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import sacrebleu
+from typer.testing import CliRunner
+
+from cli.main import app
+from nmt.score import paper_tokenize
+
+runner = CliRunner()
+
+
+def run(*args: str, input: bytes | None = None):
+    return runner.invoke(app, ["score", *args], input=input)
+
+
+def perturb(lines: list[str]) -> list[str]:
+    """Drop the last word of every third line and swap the first two of every fifth."""
+    out = []
+    for i, line in enumerate(lines):
+        words = line.split()
+        if i % 3 == 0 and len(words) > 1:
+            words = words[:-1]
+        if i % 5 == 0 and len(words) > 2:
+            words[0], words[1] = words[1], words[0]
+        out.append(" ".join(words))
+    return out
+
+
+def test_reference_against_itself_is_100(wmt14_dir: Path, tmp_path: Path) -> None:
+    ref = wmt14_dir / "newstest2014.de"
+    result = run("--ref", str(ref), "-i", str(ref), "--json")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout.strip())
+    assert record["scores"][0]["score"] == pytest.approx(100.0)
+    assert "tok:13a" in record["scores"][0]["signature"]
+    # chrF and TER (slow on 3,003 lines) on the first 300.
+    head = tmp_path / "head.de"
+    head.write_bytes(b"".join(ref.read_bytes().splitlines(keepends=True)[:300]))
+    result = run("--ref", str(head), "-i", str(head), "--json", "--metrics", "chrf,ter")
+    by_metric = {s["metric"]: s["score"] for s in json.loads(result.stdout)["scores"]}
+    assert by_metric == {"chrf": pytest.approx(100.0), "ter": pytest.approx(0.0)}
+
+
+def test_perturbation_matches_sacrebleu_api(wmt14_dir: Path, tmp_path: Path) -> None:
+    ref = wmt14_dir / "newstest2014.de"
+    refs = ref.read_text(encoding="utf-8").split("\n")[:-1]
+    hyps = perturb(refs)
+    hyp = tmp_path / "hyp.de"
+    hyp.write_text("\n".join(hyps) + "\n", encoding="utf-8")
+    expected = sacrebleu.corpus_bleu(hyps, [refs]).score
+    expected_chrf = sacrebleu.corpus_chrf(hyps, [refs]).score
+    result = run("--ref", str(ref), "-i", str(hyp), "--json", "-M", "bleu", "-M", "chrf")
+    assert result.exit_code == 0, result.output
+    scores = json.loads(result.stdout)["scores"]
+    assert 50 < scores[0]["score"] < 100
+    assert scores[0]["score"] == pytest.approx(expected, abs=1e-9)
+    assert scores[1]["score"] == pytest.approx(expected_chrf, abs=1e-9)
+    # Human output: the score line and sacreBLEU's signature; stdin works the same.
+    human = run("--ref", str(ref), input=hyp.read_bytes())
+    assert human.exit_code == 0, human.output
+    assert human.stdout.startswith(f"BLEU = {expected:.2f}")
+    assert "signature: nrefs:1|case:mixed|eff:no|tok:13a" in human.stdout
+    intl = run("--ref", str(ref), "-i", str(hyp), "--tokenize", "intl", "--json")
+    assert json.loads(intl.stdout)["scores"][0]["score"] == pytest.approx(
+        sacrebleu.corpus_bleu(hyps, [refs], tokenize="intl").score)
+
+
+def test_paper_bleu_splits_compounds_in_both_sides(tmp_path: Path) -> None:
+    assert paper_tokenize(["Ein Mehrzweck-Gerät für a-b-c & mehr."], "de") == [
+        "Ein Mehrzweck ##AT##-##AT## Gerät für a ##AT##-##AT## b-c &amp; mehr ."]
+    ref = tmp_path / "ref.de"
+    hyp = tmp_path / "hyp.de"
+    ref.write_text("Das Mehrzweck-Gerät ist gut.\n", encoding="utf-8")
+    hyp.write_text("Das Mehrzweck-Gerät ist schlecht.\n", encoding="utf-8")
+    # Tokens: Das Mehrzweck ##AT##-##AT## Gerät ist gut/schlecht . -> 7 tokens, 6 match.
+    result = run("--ref", str(ref), "-i", str(hyp), "--paper", "--json")
+    assert result.exit_code == 0, result.output
+    score = json.loads(result.stdout)["scores"][0]
+    assert score["metric"] == "bleu-paper" and "moses-de" in score["signature"]
+    # By hand: 1-grams 6/7; 2-grams 4/6; 3-grams 3/5 (Das M AT, M AT G, AT G ist);
+    # 4-grams 2/4 (Das M AT G, M AT G ist); equal lengths so BP = 1.
+    hand = 100 * (6 / 7 * 4 / 6 * 3 / 5 * 2 / 4) ** 0.25
+    assert score["score"] == pytest.approx(hand, abs=1e-6)
+    human = run("--ref", str(ref), "-i", str(hyp), "--paper")
+    assert human.stdout.startswith("paper-style tokenized BLEU")
+
+
+def test_line_count_mismatch_names_counts_and_files(tmp_path: Path) -> None:
+    ref = tmp_path / "ref.de"
+    hyp = tmp_path / "hyp.de"
+    ref.write_text("a\nb\nc\n", encoding="utf-8")
+    hyp.write_text("a\nb\n", encoding="utf-8")
+    result = run("--ref", str(ref), "-i", str(hyp))
+    assert result.exit_code == 3
+    assert "2 hypotheses in" in result.stderr and "3 references in" in result.stderr
+    assert str(hyp) in result.stderr and str(ref) in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_empty_and_non_utf8_files_are_clear_errors(tmp_path: Path) -> None:
+    ref = tmp_path / "ref.de"
+    ref.write_text("a\nb\n", encoding="utf-8")
+    empty = tmp_path / "empty.de"
+    empty.write_bytes(b"")
+    result = run("--ref", str(ref), "-i", str(empty))
+    assert result.exit_code == 3 and "is empty" in result.stderr
+    bad = tmp_path / "bad.de"
+    bad.write_bytes(b"ok\n\xff\xfe oops\n")
+    result = run("--ref", str(ref), "-i", str(bad))
+    assert result.exit_code == 3 and "line 2: invalid UTF-8" in result.stderr
+    result = run("--ref", str(tmp_path / "missing.de"), "-i", str(ref))
+    assert result.exit_code == 3 and "cannot read" in result.stderr
+    result = run("--ref", str(ref), "-i", str(ref), "--metrics", "meteor")
+    assert result.exit_code == 2 and "unknown metric" in result.stderr

@@ -1,0 +1,323 @@
+"""Search on a fake step decoder with hand-written probabilities, plus model invariants."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+from test_translate_util import one_thread  # noqa: F401
+
+from nmt.search import (
+    EnsembleStepDecoder,
+    Hypothesis,
+    beam_search,
+    filter_log_probs,
+    greedy_decode,
+    length_penalty,
+    max_output_lengths,
+    sample_decode,
+)
+from nmt.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+A, B = 4, 5  # two real pieces after the specials 0..3
+VOCAB = 6
+
+
+class TableDecoder:
+    """Fake StepDecoder: p(next | sentence, prefix) from a function; tracks each row's
+    prefix and reorders it exactly as a model's cache would be reordered."""
+
+    def __init__(self, dist, sentences: int = 1) -> None:
+        self.dist = dist  # (sentence id, prefix tuple) -> {token: prob}
+        self.sent = list(range(sentences))
+        self.prefix: list[tuple[int, ...]] = [() for _ in range(sentences)]
+        self.calls = 0
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        assert tokens.shape == (len(self.prefix),)
+        rows = []
+        for i, tok in enumerate(tokens.tolist()):
+            if tok != BOS_ID:
+                self.prefix[i] = self.prefix[i] + (tok,)
+            probs = torch.zeros(VOCAB, dtype=torch.float64)
+            for k, v in self.dist(self.sent[i], self.prefix[i]).items():
+                probs[k] = v
+            rows.append(probs.log().float())
+        return torch.stack(rows)  # (N, V)
+
+    def reorder(self, new_order: torch.Tensor) -> None:
+        order = new_order.tolist()
+        self.sent = [self.sent[i] for i in order]
+        self.prefix = [self.prefix[i] for i in order]
+
+
+# Hand-written table (token -> probability); unspecified prefixes use DEFAULT.
+TABLE = {
+    (): {A: 0.5, B: 0.4, EOS_ID: 0.1},
+    (A,): {EOS_ID: 0.7, A: 0.2, B: 0.1},
+    (B,): {A: 0.9, EOS_ID: 0.05, B: 0.05},
+    (B, A): {EOS_ID: 0.9, A: 0.05, B: 0.05},
+}
+DEFAULT = {EOS_ID: 0.7, A: 0.2, B: 0.1}
+
+
+def table(_sent: int, prefix: tuple[int, ...]) -> dict[int, float]:
+    return TABLE.get(prefix, DEFAULT)
+
+
+def lp(length: int, alpha: float) -> float:
+    return ((5 + length) / 6) ** alpha
+
+
+def test_table_alpha0_prefers_short_hypothesis() -> None:
+    # By hand, beam 2: step 0 keeps A (.5), B (.4); EOS (.1) ranks 3rd, not finished.
+    # Step 1: B A .36, A EOS .35 (finished), A A .10 -> alive B A, A A. .36 > .35 go on.
+    # Step 2: B A EOS = .4*.9*.9 = .324 finishes, but A EOS = .35 is still best; the best
+    # alive (B A A, .018) cannot beat it: stop.
+    hyps = beam_search(TableDecoder(table), torch.tensor([3]), beam=2, alpha=0.0, nbest=2)
+    assert [h.tokens for h in hyps[0]] == [[A], [B, A]]
+    assert hyps[0][0].score == pytest.approx(math.log(0.5 * 0.7), abs=1e-6)
+    assert hyps[0][1].score == pytest.approx(math.log(0.4 * 0.9 * 0.9), abs=1e-6)
+
+
+def test_table_alpha06_prefers_longer_hypothesis() -> None:
+    # |Y| counts EOS: "A EOS" has |Y| = 2, "B A EOS" |Y| = 3.
+    short = math.log(0.35) / lp(2, 0.6)  # -0.957
+    long = math.log(0.324) / lp(3, 0.6)  # -0.948: wins with alpha 0.6
+    hyps = beam_search(TableDecoder(table), torch.tensor([3]), beam=2, alpha=0.6, nbest=2)
+    assert [h.tokens for h in hyps[0]] == [[B, A], [A]]
+    assert hyps[0][0].score == pytest.approx(long, abs=1e-6)
+    assert hyps[0][1].score == pytest.approx(short, abs=1e-6)
+    assert hyps[0][0].log_prob == pytest.approx(math.log(0.324), abs=1e-6)
+
+
+def test_early_termination_stops_before_max_length() -> None:
+    dec = TableDecoder(table)
+    beam_search(dec, torch.tensor([40]), beam=2, alpha=0.0)
+    assert dec.calls == 3  # steps 0, 1, 2 as in the hand trace, not 41
+
+
+def test_max_length_forces_eos() -> None:
+    always_a = lambda _s, _p: {A: 0.99, EOS_ID: 0.01}  # noqa: E731
+    hyps = beam_search(TableDecoder(always_a), torch.tensor([5]), beam=2, alpha=1.0)
+    assert hyps[0][0].tokens == [A] * 5
+    expected = (5 * math.log(0.99) + math.log(0.01)) / lp(6, 1.0)
+    assert hyps[0][0].score == pytest.approx(expected, abs=1e-5)
+    greedy = greedy_decode(TableDecoder(always_a), torch.tensor([5]))
+    assert greedy[0].tokens == [A] * 5
+
+
+def test_zero_budget_gives_empty_output() -> None:
+    hyps = beam_search(TableDecoder(table), torch.tensor([0]), beam=2, alpha=0.6)
+    assert hyps[0][0].tokens == []
+    assert hyps[0][0].log_prob == pytest.approx(math.log(0.1), abs=1e-6)
+
+
+def test_nothing_finished_returns_best_alive() -> None:
+    never_eos = lambda _s, _p: {A: 0.6, B: 0.4}  # noqa: E731  EOS has probability 0
+    hyps = beam_search(TableDecoder(never_eos), torch.tensor([3]), beam=2, alpha=0.0)
+    assert hyps[0][0].tokens == [A, A, A]
+    assert hyps[0][0].log_prob == pytest.approx(3 * math.log(0.6), abs=1e-6)
+
+
+def random_table(seed: int):
+    """A deterministic pseudo-random distribution over {UNK, EOS, A, B} per prefix."""
+
+    def dist(sent: int, prefix: tuple[int, ...]) -> dict[int, float]:
+        key = hashlib.sha256(repr((seed, sent, prefix)).encode()).digest()
+        rng = np.random.default_rng(int.from_bytes(key[:8], "little"))
+        probs = rng.dirichlet([0.5] * 4)
+        return dict(zip((UNK_ID, EOS_ID, A, B), probs.tolist(), strict=True))
+
+    return dist
+
+
+def exhaustive_best(dist, sent: int, max_len: int, alpha: float) -> tuple[list[int], float]:
+    """Score every sequence of <= max_len pieces + EOS; return the best."""
+    best: tuple[list[int], float] = ([], -math.inf)
+    for n in range(max_len + 1):
+        for seq in itertools.product((UNK_ID, A, B), repeat=n):
+            logp = 0.0
+            for i in range(n + 1):
+                p = dist(sent, tuple(seq[:i])).get(seq[i] if i < n else EOS_ID, 0.0)
+                logp += math.log(p) if p > 0 else -math.inf
+            # float32 rounding differs by ~1e-6: only strictly better candidates replace.
+            score = logp / lp(n + 1, alpha)
+            if score > best[1] + 1e-5:
+                best = (list(seq), score)
+    return best
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 1.5])
+@pytest.mark.parametrize("seed", range(4))
+def test_wide_beam_finds_exhaustive_optimum(seed: int, alpha: float) -> None:
+    max_len = 3
+    beam = 3**max_len  # >= |pieces|^L: nothing is ever pruned
+    dist = random_table(seed)
+    hyps = beam_search(TableDecoder(dist), torch.tensor([max_len]), beam=beam, alpha=alpha)
+    tokens, score = exhaustive_best(dist, 0, max_len, alpha)
+    assert hyps[0][0].tokens == tokens
+    assert hyps[0][0].score == pytest.approx(score, abs=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_beam1_equals_greedy_at_alpha0(seed: int) -> None:
+    dist = random_table(seed)
+    max_lens = torch.tensor([6, 2, 9, 4])
+    beam = beam_search(TableDecoder(dist, 4), max_lens, beam=1, alpha=0.0)
+    greedy = greedy_decode(TableDecoder(dist, 4), max_lens)
+    for b_hyps, g in zip(beam, greedy, strict=True):
+        assert b_hyps[0].tokens == g.tokens
+        assert b_hyps[0].log_prob == pytest.approx(g.log_prob, abs=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_batch_equals_one_by_one(seed: int) -> None:
+    """Sentences with different budgets finish at different steps and leave the batch."""
+    dist = random_table(seed)
+    max_lens = torch.tensor([1, 7, 3, 5, 0])
+    batch = beam_search(TableDecoder(dist, 5), max_lens, beam=3, alpha=0.6, nbest=3)
+    for i, budget in enumerate(max_lens.tolist()):
+        alone = beam_search(TableDecoder(lambda _s, p, i=i: dist(i, p)),
+                            torch.tensor([budget]), beam=3, alpha=0.6, nbest=3)
+        assert [h.tokens for h in batch[i]] == [h.tokens for h in alone[0]]
+        for x, y in zip(batch[i], alone[0], strict=True):
+            assert x.score == pytest.approx(y.score, abs=1e-6)
+
+
+def test_ensemble_averages_probabilities() -> None:
+    one = lambda _s, _p: {A: 0.8, EOS_ID: 0.2}  # noqa: E731
+    two = lambda _s, _p: {A: 0.2, B: 0.4, EOS_ID: 0.4}  # noqa: E731
+    ens = EnsembleStepDecoder([TableDecoder(one), TableDecoder(two)])
+    out = ens.step(torch.tensor([BOS_ID])).exp()[0]
+    assert out[A].item() == pytest.approx(0.5)
+    assert out[B].item() == pytest.approx(0.2)
+    assert out[EOS_ID].item() == pytest.approx(0.3)
+    ens.reorder(torch.tensor([0, 0]))
+    assert all(len(d.prefix) == 2 for d in ens.decoders)
+
+
+def test_filter_log_probs_top_k_and_top_p() -> None:
+    logp = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    kept = torch.isfinite(filter_log_probs(logp, top_k=2)).tolist()
+    assert kept == [[True, True, False, False]]
+    kept = torch.isfinite(filter_log_probs(logp, top_p=0.8)).tolist()  # .5 + .3 reach .8
+    assert kept == [[True, True, False, False]]
+    kept = torch.isfinite(filter_log_probs(logp, top_p=0.81)).tolist()
+    assert kept == [[True, True, True, False]]
+    kept = torch.isfinite(filter_log_probs(logp, top_p=0.1)).tolist()  # best always kept
+    assert kept == [[True, False, False, False]]
+
+
+def test_sampling_follows_the_distribution_and_seed() -> None:
+    dist = lambda _s, _p: {A: 0.7, EOS_ID: 0.3}  # noqa: E731
+    max_lens = torch.full((2000,), 1)
+    gen = torch.Generator().manual_seed(0)
+    hyps = sample_decode(TableDecoder(dist, 2000), max_lens, generator=gen)
+    share_a = sum(h.tokens == [A] for h in hyps) / len(hyps)
+    assert share_a == pytest.approx(0.7, abs=0.04)
+    again = sample_decode(TableDecoder(dist, 2000), max_lens,
+                          generator=torch.Generator().manual_seed(0))
+    assert [h.tokens for h in again] == [h.tokens for h in hyps]
+    # top-k 1 makes sampling greedy.
+    top1 = sample_decode(TableDecoder(dist, 50), torch.full((50,), 1), top_k=1)
+    assert all(h.tokens == [A] for h in top1)
+
+
+def test_length_helpers() -> None:
+    assert float(length_penalty(1, 0.6)) == pytest.approx(1.0)
+    assert float(length_penalty(7, 0.0)) == 1.0
+    src = torch.tensor([[7, 8, EOS_ID, PAD_ID], [7, 8, 9, EOS_ID]])
+    assert max_output_lengths(src, 1.0, 50).tolist() == [53, 54]
+    assert max_output_lengths(src, 0.0, 50, cap=10).tolist() == [10, 10]
+
+
+def test_hypothesis_is_plain_data() -> None:
+    h = Hypothesis([A], -1.0, -1.0)
+    assert h.tokens == [A] and h.score == -1.0
+
+
+# --- Invariants on a real (tiny, random-init, sharpened) Transformer -------------------
+
+
+def tiny_model(seed: int = 0, vocab: int = 40):
+    from nmt.config import model_preset
+    from nmt.model import Transformer
+
+    torch.manual_seed(seed)
+    model = Transformer(model_preset("tiny", vocab_size=vocab, max_positions=64)).eval()
+    with torch.no_grad():
+        model.embed.weight.mul_(4.0)  # decisive, input-dependent outputs
+    return model
+
+
+def padded(sources: list[list[int]]) -> torch.Tensor:
+    src = torch.full((len(sources), max(map(len, sources)) + 1), PAD_ID)
+    for i, ids in enumerate(sources):
+        src[i, : len(ids) + 1] = torch.tensor([*ids, EOS_ID])
+    return src  # (batch, src_len)
+
+
+SOURCES = [[5, 9, 11, 7, 30, 12, 8], [17], [6, 6, 21, 33], [4, 39, 25, 10, 13, 18, 27, 22, 9]]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("alpha", [0.0, 0.6])
+def test_model_sentence_alone_equals_inside_batch(alpha: float) -> None:
+    from nmt.search import ModelStepDecoder
+
+    model = tiny_model()
+    src = padded(SOURCES)
+    max_lens = max_output_lengths(src, 1.0, 3, cap=63)
+    batch = beam_search(ModelStepDecoder(model, src), max_lens, beam=4, alpha=alpha, nbest=2)
+    assert len({tuple(h[0].tokens) for h in batch}) > 1  # outputs depend on the input
+    for i, ids in enumerate(SOURCES):
+        one = padded([ids])
+        alone = beam_search(ModelStepDecoder(model, one), max_output_lengths(one, 1.0, 3),
+                            beam=4, alpha=alpha, nbest=2)[0]
+        assert [h.tokens for h in alone] == [h.tokens for h in batch[i]]
+        for x, y in zip(alone, batch[i], strict=True):
+            assert x.score == pytest.approx(y.score, abs=1e-4)
+
+
+@torch.no_grad()
+def test_model_incremental_equals_full_redecoding() -> None:
+    """Scores from the KV-cached search equal teacher-forced re-decoding of the output."""
+    from nmt.search import ModelStepDecoder, greedy_search
+
+    model = tiny_model(seed=3)
+    src = padded(SOURCES)
+    hyps = beam_search(ModelStepDecoder(model, src), max_output_lengths(src, 1.0, 5),
+                       beam=3, alpha=0.6, nbest=3)
+    enc = model.encode(src)
+    for i, sent in enumerate(hyps):
+        for h in sent:
+            tgt_in = torch.tensor([[BOS_ID, *h.tokens]])  # (1, T)
+            one = type(enc)(states=enc.states[i : i + 1],
+                            padding_mask=enc.padding_mask[i : i + 1])
+            logp = torch.log_softmax(model.decode(tgt_in, one).float(), dim=-1)[0]  # (T, V)
+            gold = torch.tensor([*h.tokens, EOS_ID])
+            full = logp.gather(1, gold.unsqueeze(1)).sum().item()
+            assert h.log_prob == pytest.approx(full, abs=1e-4)
+            assert h.score == pytest.approx(full / lp(len(h.tokens) + 1, 0.6), abs=1e-4)
+    # Greedy on the cache equals step-by-step argmax of full re-decoding.
+    greedy = greedy_search(model, src, 1.0, 5)
+    for i, tokens in enumerate(greedy):
+        one = type(enc)(states=enc.states[i : i + 1], padding_mask=enc.padding_mask[i : i + 1])
+        prefix = [BOS_ID]
+        limit = int(max_output_lengths(src[i : i + 1], 1.0, 5))
+        while len(prefix) <= limit:
+            logits = model.decode(torch.tensor([prefix]), one)[0, -1].float()
+            logits[[PAD_ID, BOS_ID]] = -math.inf
+            nxt = int(logits.argmax())
+            if nxt == EOS_ID:
+                break
+            prefix.append(nxt)
+        assert tokens == prefix[1:]
