@@ -7,7 +7,6 @@ from pathlib import Path
 import typer
 
 from cli.common import console, handle_errors
-from nmt.average import average_checkpoints, last_checkpoints
 from nmt.errors import UsageError
 
 
@@ -20,8 +19,10 @@ def command(
                              help="Average the N checkpoints of RUN_DIR with the highest "
                              "step stored inside them (paper: base 5, big 20)."),
 ) -> None:
-    """Average model parameters (summed in float32) of several checkpoints of one run."""
+    """Average model parameters (summed in float64) of several checkpoints of one run."""
     with handle_errors("average"):
+        from nmt.average import average_checkpoints, last_checkpoints  # torch: load lazily
+
         if last is not None:
             if len(inputs) != 1 or not inputs[0].is_dir():
                 raise UsageError("--last N takes exactly one run directory")

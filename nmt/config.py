@@ -148,7 +148,7 @@ class DecodeConfig:
 
     beam: int = 4
     alpha: float = 0.6  # GNMT length penalty exponent; larger favours longer output
-    max_len_a: float = 0.0  # max output length = a * source length + b
+    max_len_a: float = 1.0  # max output length = a * source length + b (paper: input + 50)
     max_len_b: int = 50
     nbest: int = 1
     sampling: bool = False

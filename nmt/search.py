@@ -354,7 +354,7 @@ def _sample_like(decoder: StepDecoder, max_lens: Tensor, alpha: float,
 
 
 @torch.no_grad()
-def greedy_search(model: Any, src: Tensor, max_len_a: float = 0.0, max_len_b: int = 50
+def greedy_search(model: Any, src: Tensor, max_len_a: float = 1.0, max_len_b: int = 50
                   ) -> list[list[int]]:
     """Greedy piece ids (without EOS) for a padded source batch (B, S); for validation BLEU.
 
