@@ -47,13 +47,6 @@ def _preset_help(name: str) -> str:
     return f"from --arch ({values})"
 
 
-def _value(key: str, model_cfg: ModelConfig, train_cfg: TrainConfig) -> object:
-    """The resolved value of a setting, for the startup line."""
-    if key == "arch":
-        return "preset"
-    return getattr(model_cfg, key) if hasattr(model_cfg, key) else getattr(train_cfg, key)
-
-
 def _model_opt(name: str, help_text: str, flag: str | None = None) -> typer.models.OptionInfo:
     return typer.Option(
         None, flag or f"--{name.replace('_', '-')}", help=help_text, show_default=_preset_help(name)
@@ -265,7 +258,7 @@ def command(
             console.print(
                 "nmt train: settings not at their defaults: "
                 + ", ".join(
-                    f"{k}={_value(k, model_cfg, train_cfg)} ({src})"
+                    f"{k}={src}"
                     for k, src in sorted(sources.items())
                 ),
                 markup=False,

@@ -58,8 +58,8 @@ def test_recipe_overrides_defaults_and_flags_override_recipe(tmp_path: Path) -> 
     assert train.warmup == 800  # recipe
     assert train.max_tokens == 1234  # flag beats recipe
     assert train.lr_scale == TrainConfig().lr_scale  # default
-    assert sources == {"arch": "recipe toy", "warmup": "recipe toy", "dropout": "recipe toy",
-                       "max_tokens": "flag"}
+    assert sources == {"arch": "small (recipe toy)", "warmup": "800 (recipe toy)",
+                       "dropout": "0.2 (recipe toy)", "max_tokens": "1234 (flag)"}
     model, _, _ = resolve(data, "tiny", {"dropout": 0.05}, {})
     assert model.d_model == ModelConfig(**{**ModelConfig().to_dict(), "d_model": 64}).d_model
     assert model.dropout == 0.05

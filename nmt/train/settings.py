@@ -42,16 +42,17 @@ def recipe_training(data_dir: Path) -> tuple[dict[str, Any], str | None]:
 def resolve(data_dir: Path, arch: str | None, model_flags: dict[str, Any],
             train_flags: dict[str, Any]) -> tuple[ModelConfig, TrainConfig, dict[str, str]]:
     """Build the configs; flags with value None were not given. Returns (model, train,
-    source of each non-default setting: 'recipe NAME' or 'flag') for the log."""
+    sources): for each setting not at its default, `value (origin)` with origin 'flag' or
+    'recipe NAME', for the start-up log line."""
     recipe, name = recipe_training(data_dir)
     sources: dict[str, str] = {}
 
     def pick(key: str, flag: Any) -> Any:
         if flag is not None:
-            sources[key] = "flag"
+            sources[key] = f"{flag} (flag)"
             return flag
         if key in recipe:
-            sources[key] = f"recipe {name}"
+            sources[key] = f"{recipe[key]} (recipe {name})"
             return recipe[key]
         return None
 
