@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -21,13 +21,54 @@ FORMAT = "nmt-checkpoint-v1"
 REQUIRED_KEYS = ("format", "step", "model_config", "vocab", "model")
 
 
+class _WriteErrors:
+    """A binary file wrapper that remembers the OSError of a failed `write`.
+
+    torch.save's zip writer turns a failed write (ENOSPC, EFBIG, EIO) into a RuntimeError
+    ("unexpected pos ...") that loses the cause; keeping it lets a full disk be reported as
+    a full disk (CheckpointError, exit 6) instead of crashing with a traceback.
+    """
+
+    def __init__(self, handle: BinaryIO) -> None:
+        self.handle = handle
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        """Forward to the file; remember (and re-raise) an OSError."""
+        try:
+            return self.handle.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def flush(self) -> None:
+        """Forward to the file; remember (and re-raise) an OSError."""
+        try:
+            self.handle.flush()
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+
+def _torch_save(payload: dict[str, Any], handle: BinaryIO) -> None:
+    """torch.save into `handle`, raising the underlying OSError when a write failed."""
+    wrapped = _WriteErrors(handle)
+    try:
+        torch.save(payload, wrapped)
+    except RuntimeError as err:
+        cause: BaseException | None = wrapped.error or err.__context__
+        if isinstance(cause, OSError):
+            raise cause from err
+        raise
+
+
 def save_checkpoint(payload: dict[str, Any], path: Path) -> None:
     """Write `payload` atomically; raises CheckpointError (disk full, no permission)."""
     missing = [k for k in REQUIRED_KEYS if k not in payload]
     if missing:
         raise ValueError(f"checkpoint payload lacks {missing}")
     try:
-        atomic_write_bytes(Path(path), lambda handle: torch.save(payload, handle))
+        atomic_write_bytes(Path(path), lambda handle: _torch_save(payload, handle))
     except OSError as err:
         raise CheckpointError(f"{path}: cannot write checkpoint ({err.strerror or err}); "
                               "free disk space or fix permissions, the previous checkpoint "

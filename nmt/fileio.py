@@ -43,6 +43,29 @@ def atomic_output(path: Path) -> Iterator[Path]:
     _fsync_dir(path.parent)
 
 
+def temp_name_pattern(name_glob: str) -> str:
+    """Glob matching the temp files `atomic_output` makes for targets named `name_glob`."""
+    return f".{name_glob}.*.tmp"
+
+
+def remove_stale_temps(directory: Path, name_glob: str) -> list[Path]:
+    """Delete temp files left by killed writes of targets matching `name_glob`.
+
+    A process killed with SIGKILL (or a power cut) inside `atomic_output` cannot clean up;
+    its temp file is never renamed, so deleting it loses nothing. Call this only where no
+    other live writer of the same targets can exist (e.g. the single checkpoint writer of
+    a run directory, before it writes).
+    """
+    removed = []
+    for path in Path(directory).glob(temp_name_pattern(name_glob)):
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        removed.append(path)
+    return removed
+
+
 def atomic_write_bytes(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """Call `write(fileobj)` on a temp file beside `path`, then rename it over `path`."""
     with atomic_output(path) as tmp, open(tmp, "wb") as handle:

@@ -18,12 +18,15 @@ import datetime
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from nmt.errors import DistributedError
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,7 @@ def relaunch(nproc: int, argv: list[str], nnodes: int = 1, rdzv_endpoint: str | 
     The children see WORLD_SIZE and so do not relaunch again. Returns torchrun's exit code.
     """
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = ["--nproc_per_node", str(nproc), "--nnodes", str(nnodes)]
     if rdzv_endpoint:
@@ -132,8 +136,33 @@ def relaunch(nproc: int, argv: list[str], nnodes: int = 1, rdzv_endpoint: str | 
         torchrun.main(args)
     except SystemExit as exc:  # torchrun exits on child failure
         return int(exc.code or 0)
-    except Exception as err:  # ChildFailedError carries the failing rank
+    except ChildFailedError as err:
+        return _child_failure_code(err)
+    except Exception as err:
         raise DistributedError(f"a training process failed: {str(err).splitlines()[0]}; "
                                "see its traceback above") from err
     sys.stderr.flush()
     return 0
+
+
+def _child_failure_code(err: ChildFailedError) -> int:
+    """The launcher's exit code when a rank failed; raises DistributedError when it died.
+
+    A rank that exited by itself with a code (an nmt error: it printed its own one-line
+    message; 1: a bug, with its traceback) passes that code on. A rank killed by a signal
+    (OOM killer, kill -9, a node going away) could say nothing, so the launcher names it.
+    torchrun's agent has already stopped the other ranks (SIGTERM, then SIGKILL), so none
+    is left waiting in a collective.
+    """
+    dead = {rank: f for rank, f in err.failures.items() if f.exitcode < 0}
+    if not dead:  # prefer an nmt error code (2-8) over a peer's follow-on crash (1)
+        codes = sorted(int(f.exitcode) for f in err.failures.values())
+        return next((c for c in codes if c != 1), codes[0])
+    rank = min(dead, key=lambda r: dead[r].timestamp)
+    failure = dead[rank]
+    others = sorted(r for r in err.failures if r != rank)
+    stopped = f" (rank(s) {', '.join(map(str, others))} failed too)" if others else ""
+    raise DistributedError(f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) "
+                           f"died from {failure.signal_name()}{stopped}; the other ranks were "
+                           "stopped; resume with the same command (the last checkpoint is "
+                           "intact)")

@@ -5,7 +5,9 @@ Everything is stored as tensors, ints, floats, strings, lists and dicts so that
 numpy's MT19937 key becomes an int64 tensor. RNG states of every rank are kept (gathered
 to rank 0 before saving), so a resumed multi-process run draws the same dropout masks.
 Checkpoint files are RUN/checkpoint_{step}.pt plus RUN/checkpoint_last.pt; pruning reads
-the step stored inside each file, never the file name.
+the step stored inside each file, never the file name. A write killed midway (kill -9,
+power cut) leaves only a `.checkpoint_*.pt.*.tmp` temp file and never a torn checkpoint;
+the next save removes such leftovers (rank 0 is the run's only checkpoint writer).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from nmt.checkpoint import FORMAT, atomic_write_bytes, load_checkpoint, save_checkpoint
 from nmt.errors import CheckpointError
+from nmt.fileio import remove_stale_temps
 
 LAST = "checkpoint_last.pt"
 
@@ -86,9 +89,13 @@ def build_payload(*, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def write_checkpoint(payload: dict[str, Any], run_dir: Path, keep_last: int) -> Path:
-    """Save RUN/checkpoint_{step}.pt, copy it atomically to checkpoint_last.pt, prune."""
+    """Save RUN/checkpoint_{step}.pt, copy it atomically to checkpoint_last.pt, prune.
+
+    Temp files of earlier, killed writes are removed first.
+    """
     run_dir = Path(run_dir)
     path = run_dir / f"checkpoint_{payload['step']}.pt"
+    remove_stale_temps(run_dir, "checkpoint_*.pt")  # leftovers of killed writes
     save_checkpoint(payload, path)
 
     def copy(handle: Any) -> None:

@@ -1,0 +1,83 @@
+"""Issue 6, distributed faults: one of 2 gloo ranks of `nmt train --nproc 2` dies from
+SIGKILL mid-training; the job must end within a bounded time (no hang), say which rank
+died, exit 8, and leave the last checkpoint loadable."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from test_faults_train import FAST_FLAGS, MODEL_FLAGS, m30k  # noqa: F401  (fixture)
+
+from nmt.checkpoint import load_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+BOUND_S = 60.0  # the whole job must be gone this long after the kill
+
+
+def _find_rank(tag: str, rank: int) -> int | None:
+    """PID of the training worker of `rank` started with NMT_TEST_TAG=tag (from /proc)."""
+    want = {f"NMT_TEST_TAG={tag}".encode(), f"RANK={rank}".encode()}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = set((entry / "environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if want <= env:
+            return int(entry.name)
+    return None
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [1, 0])
+def test_killing_one_of_two_gloo_ranks_ends_the_job_naming_it(m30k, tmp_path, victim):  # noqa: F811
+    run = tmp_path / "run"
+    tag = uuid.uuid4().hex
+    log = tmp_path / "stderr.txt"
+    cmd = [sys.executable, "-m", "cli.main", "train", str(m30k), "-o", str(run),
+           *MODEL_FLAGS, *FAST_FLAGS, "--nproc", "2", "--max-updates", "500"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NMT_TEST_TAG": tag,
+           "PYTHONPATH": str(REPO)}
+    with log.open("w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env,
+                                cwd=REPO, start_new_session=True)
+    try:
+        _wait_for(lambda: "saved " in log.read_text(), 240, "the first checkpoint")
+        time.sleep(random.Random(victim).uniform(0.0, 1.0))  # seeded: mid-update or save
+        pid = _wait_for(lambda: _find_rank(tag, victim), 10, f"rank {victim}'s process")
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        code = proc.wait(timeout=BOUND_S + 30)
+        took = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    stderr = log.read_text()
+    print(f"\nrank {victim} SIGKILLed: job gone after {took:.1f} s, exit {code}")
+    assert took < BOUND_S, stderr
+    assert code == 8, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("nmt train: error: ")]
+    assert errors and f"rank {victim}" in errors[-1] and "SIGKILL" in errors[-1], stderr
+    assert _find_rank(tag, 1 - victim) is None, "the surviving rank is still running"
+    payload = load_checkpoint(run / "checkpoint_last.pt")  # intact, whatever was cut off
+    assert payload["step"] >= 1 and len(payload["rng"]) == 2
