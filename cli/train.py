@@ -240,7 +240,7 @@ def command(
     with handle_errors("train"):
         import sys
 
-        from nmt.train.distributed import relaunch, under_torchrun
+        from nmt.train.distributed import peer_failures_as_errors, relaunch, under_torchrun
         from nmt.train.loop import train
 
         if gpus < 1 or nproc < 1 or nnodes < 1:
@@ -270,13 +270,14 @@ def command(
         if (procs > 1 or nnodes > 1) and not under_torchrun():
             code = relaunch(procs, sys.argv[1:], nnodes=nnodes, rdzv_endpoint=rdzv_endpoint)
             raise typer.Exit(code)
-        summary = train(
-            data,
-            output,
-            model_cfg,
-            train_cfg,
-            device="cuda" if gpus > 1 and device == "auto" else device,
-        )
+        with peer_failures_as_errors():
+            summary = train(
+                data,
+                output,
+                model_cfg,
+                train_cfg,
+                device="cuda" if gpus > 1 and device == "auto" else device,
+            )
         if summary.last_checkpoint is not None:
             console.print(
                 f"nmt train: stopped at update {summary.step} (epoch "

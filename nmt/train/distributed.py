@@ -14,9 +14,11 @@ NCCL on CUDA, gloo on CPU. RUN must be on a filesystem rank 0 can write.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +48,29 @@ class DistEnv:
     def active(self) -> bool:
         """True when a process group with more than one member is running."""
         return self.world_size > 1
+
+
+@contextlib.contextmanager
+def peer_failures_as_errors() -> Iterator[None]:
+    """Under torchrun, turn a collective that fails because a peer died (gloo/NCCL raise
+    DistBackendError or RuntimeError "Connection closed by peer") into one DistributedError
+    line instead of a traceback; the launcher then names the dead rank."""
+    try:
+        yield
+    except RuntimeError as err:
+        text = str(err)
+        backend_error = getattr(torch.distributed, "DistBackendError", ())
+        if under_torchrun() and (isinstance(err, backend_error) or any(
+                marker in text for marker in _PEER_FAILURE_MARKERS)):
+            rank = os.environ.get("RANK", "?")
+            first = text.strip().splitlines()[0][:200] if text.strip() else type(err).__name__
+            raise DistributedError(f"rank {rank}: a peer process died or stopped answering "
+                                   f"({first})") from err
+        raise
+
+
+_PEER_FAILURE_MARKERS = ("Connection closed by peer", "Connection reset by peer",
+                         "NCCL communicator was aborted", "Broken pipe")
 
 
 def under_torchrun() -> bool:
