@@ -5,15 +5,17 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import typer
 
 from cli.common import console, handle_errors, warn
-from nmt.checkpoint import atomic_write_bytes
 from nmt.config import DecodeConfig
 from nmt.errors import DataError
-from nmt.translate import TranslateStats, Translator, translate_stream
+from nmt.fileio import atomic_write_bytes
+
+if TYPE_CHECKING:
+    from nmt.translate import TranslateStats
 
 _D = DecodeConfig()
 
@@ -64,24 +66,44 @@ def command(
     stats: bool = typer.Option(False, "--stats", show_default=True,
                                help="Print sentences/s and target tokens/s on stderr."),
     seed: int = typer.Option(1, "--seed", show_default=True, help="Seed for --sampling."),
+    attention: Path = typer.Option(None, "--attention", show_default="off",
+                                   help="Write DIR/NNNNNN.png per non-empty input line "
+                                   "(1-based line number): a heatmap of the encoder-decoder "
+                                   "attention of the best output (first model of an "
+                                   "ensemble)."),
+    attention_layer: int = typer.Option(-1, "--attention-layer", show_default=True,
+                                        help="Decoder layer plotted by --attention: "
+                                        "0..L-1, or negative from the top (-1 = last)."),
+    attention_heads: str = typer.Option("mean", "--attention-heads", show_default=True,
+                                        help="mean (heads averaged, one panel) | all "
+                                        "(one panel per head)."),
 ) -> None:
     """Translate one output line per input line (a line ends at \\n only), in input
     order; beam 4 and alpha 0.6 as in the paper. Exit codes: 3 bad input (e.g. --errors
     strict), 6 unloadable or unsafe checkpoint."""
     with handle_errors("translate"):
+        from nmt.translate import Translator, translate_stream  # torch: load lazily
+
         cfg = DecodeConfig(beam=beam, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
                            nbest=nbest, sampling=sampling, temperature=temperature,
                            top_k=top_k, top_p=top_p, max_tokens=max_tokens,
                            buffer_size=buffer_size)
         translator = Translator.load(models, cfg, device=device, precision=precision,
                                      max_src_len=max_src_len, seed=seed)
+        observe = None
+        if attention is not None:
+            from nmt.attention_map import AttentionWriter
+
+            observe = AttentionWriter(translator.models[0], translator.vocab, attention,
+                                      attention_layer, attention_heads, translator.device)
         interactive = input_path is None and sys.stdin.isatty()
         name = str(input_path) if input_path is not None else "<stdin>"
 
         def run(source: BinaryIO, sink: BinaryIO) -> TranslateStats:
             return translate_stream(source, sink, translator, interactive=interactive,
                                     errors=errors, source_name=name,
-                                    warn=lambda msg: warn("translate", msg))
+                                    warn=lambda msg: warn("translate", msg),
+                                    observe=observe)
 
         results: list[TranslateStats] = []
         try:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import io
 import json
+import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -162,3 +164,95 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
     png = render_png(read_run_log(run_dir / LOG_NAME), title=f"nmt run {run_dir.name}")
     atomic_write_bytes(output, lambda handle: handle.write(png))
     return output
+
+
+def require_matplotlib() -> None:
+    """Raise UsageError (exit 2) with the install hint when matplotlib is missing, so a
+    command can fail before doing work whose plots it could not draw."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError(MISSING_MATPLOTLIB) from None
+
+
+_CELL_INCHES = 0.3  # side of one attention cell: room for a rotated piece label
+_MAX_INCHES = 60.0  # cap on a figure side (6000 px at 100 dpi); long lines shrink the cells
+
+
+def plot_attention(weights: Any, src_labels: list[str], tgt_labels: list[str],
+                   heads: str = "mean", title: str = "") -> bytes:
+    """An attention heatmap as PNG bytes, in the style of the paper's appendix figures.
+
+    `weights` is array-like (heads, tgt_len, src_len): row i is the attention of output
+    piece i over the source. Source pieces label the columns (on top, read left to right
+    like the sentence), output pieces the rows. heads="mean" draws the head average in one
+    panel; "all" draws one panel per head on a shared colour scale. Raises UsageError when
+    matplotlib is missing.
+    """
+    import numpy as np
+
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise UsageError(MISSING_MATPLOTLIB) from None
+    data = np.asarray(weights, dtype=np.float32)
+    if data.ndim != 3 or data.shape[1:] != (len(tgt_labels), len(src_labels)):
+        raise ValueError(f"weights of shape {data.shape} do not match "
+                         f"{len(tgt_labels)} target x {len(src_labels)} source labels")
+    if heads == "mean":
+        panels, names = data.mean(axis=0, keepdims=True), ["mean over heads"]
+    elif heads == "all":
+        panels, names = data, [f"head {h + 1}" for h in range(data.shape[0])]
+    else:
+        raise UsageError(f"unknown heads mode {heads!r}; choose mean or all")
+    n_tgt, n_src = data.shape[1:]
+    cols = math.ceil(math.sqrt(len(panels)))  # a near-square grid: 4 heads 2x2, 8 as 3x3
+    rows = -(-len(panels) // cols)
+    # Per panel: room for the longest tick label (about 0.09 inch a character at 9 pt) on
+    # the left (output pieces) and on top (source pieces, rotated), plus titles.
+    margin_w = 0.8 + 0.09 * max(map(len, tgt_labels), default=1)
+    margin_h = 0.9 + 0.09 * max(map(len, src_labels), default=1)
+    want_w = cols * (n_src * _CELL_INCHES + 0.4) + margin_w + 1.2  # + the colorbar
+    want_h = rows * (n_tgt * _CELL_INCHES + margin_h) + 0.6  # + the suptitle
+    shrink = min(1.0, _MAX_INCHES / want_w, _MAX_INCHES / want_h)
+    cell = _CELL_INCHES * shrink
+    font = max(2.0, 9.0 * shrink)
+    fig = Figure(figsize=(cols * (n_src * cell + 0.4) + margin_w * shrink + 1.2,
+                          rows * (n_tgt * cell + margin_h * shrink) + 0.6),
+                 layout="constrained")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    axes = fig.subplots(rows, cols, squeeze=False)
+    vmax = float(panels.max()) if panels.size else 1.0
+    image = None
+    for k, ax in enumerate(axes.flat):
+        if k >= len(panels):
+            ax.set_axis_off()
+            continue
+        image = ax.imshow(panels[k], cmap="viridis", vmin=0.0, vmax=max(vmax, 1e-6),
+                          interpolation="nearest", aspect="equal")
+        ax.set_title(names[k], fontsize=9)
+        ax.xaxis.tick_top()
+        ax.set_xticks(range(n_src), src_labels, rotation=90, fontsize=font)
+        ax.set_xlabel("source pieces", fontsize=8)
+        if k % cols == 0:  # a row of panels shares the output pieces: label them once
+            ax.set_yticks(range(n_tgt), tgt_labels, fontsize=font)
+            ax.set_ylabel("output pieces", fontsize=8)
+        else:
+            ax.set_yticks(range(n_tgt), [])
+    assert image is not None
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="attention weight")
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():  # a script the font lacks draws boxes, not stderr noise
+        warnings.filterwarnings("ignore", message="Glyph .* missing")
+        # "tight" grows the canvas if a long piece label would still be cut off
+        fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight", pad_inches=0.15)
+    return buffer.getvalue()
+
+
+def write_attention_png(path: Path, weights: Any, src_labels: list[str],
+                        tgt_labels: list[str], heads: str = "mean", title: str = "") -> Path:
+    """Render `plot_attention(...)` and write it to `path` atomically; returns `path`."""
+    png = plot_attention(weights, src_labels, tgt_labels, heads, title)
+    atomic_write_bytes(Path(path), lambda handle: handle.write(png))
+    return Path(path)

@@ -35,6 +35,8 @@ from nmt.vocab import EOS_ID, PAD_ID, Vocab
 ERROR_MODES = ("replace", "strict")
 DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# (1-based line number, source ids as translated, best hypothesis) -> anything
+Observer = Callable[[int, list[int], Hypothesis], object]
 
 
 @dataclass
@@ -170,9 +172,14 @@ def sanitize(text: str) -> str:
 def translate_stream(source: BinaryIO, sink: BinaryIO, translator: Translator, *,
                      buffer_size: int | None = None, interactive: bool = False,
                      errors: str = "replace", source_name: str = "<stdin>",
-                     warn: Callable[[str], None] = lambda _msg: None) -> TranslateStats:
+                     warn: Callable[[str], None] = lambda _msg: None,
+                     observe: Observer | None = None) -> TranslateStats:
     """Translate every line of `source` into `sink`, one output line (or nbest lines) per
-    input line, in order, flushing after each buffer; returns counters for --stats."""
+    input line, in order, flushing after each buffer; returns counters for --stats.
+
+    `observe`, when given, is called for each translated (non-empty) line with its 1-based
+    number, the source ids as translated (after truncation) and the best hypothesis, before
+    that buffer's output is written (`--attention` draws its maps from it)."""
     if errors not in ERROR_MODES:
         raise UsageError(f"unknown --errors {errors!r}; choose one of: {', '.join(ERROR_MODES)}")
     size = 1 if interactive else (buffer_size or translator.cfg.buffer_size)
@@ -182,17 +189,19 @@ def translate_stream(source: BinaryIO, sink: BinaryIO, translator: Translator, *
     for line_no, raw in enumerate(read_lines(source), start=1):
         buffer.append((line_no, raw))
         if len(buffer) >= size:
-            _translate_buffer(buffer, sink, translator, errors, source_name, warn, stats)
+            _translate_buffer(buffer, sink, translator, errors, source_name, warn, stats,
+                              observe)
             buffer = []
     if buffer:
-        _translate_buffer(buffer, sink, translator, errors, source_name, warn, stats)
+        _translate_buffer(buffer, sink, translator, errors, source_name, warn, stats,
+                          observe)
     stats.seconds = time.perf_counter() - start
     return stats
 
 
 def _translate_buffer(buffer: list[tuple[int, bytes]], sink: BinaryIO, translator: Translator,
                       errors: str, source_name: str, warn: Callable[[str], None],
-                      stats: TranslateStats) -> None:
+                      stats: TranslateStats, observe: Observer | None = None) -> None:
     """Encode, truncate, batch, search and write one buffer of lines in input order."""
     texts = [decode_line(raw, n, errors, source_name) for n, raw in buffer]
     nonempty = [i for i, text in enumerate(texts) if text]
@@ -214,6 +223,10 @@ def _translate_buffer(buffer: list[tuple[int, bytes]], sink: BinaryIO, translato
         hyps = translator.translate_ids([sources[j] for j in batch])
         for j, sent_hyps in zip(batch, hyps, strict=True):
             results[owners[j]] = sent_hyps
+    if observe is not None:
+        for source_ids, i in zip(sources, owners, strict=True):
+            if results[i]:
+                observe(buffer[i][0], source_ids, results[i][0])
     lines = [_format(buffer[i][0] - 1, results[i], translator) for i in range(len(buffer))]
     sink.write("".join(lines).encode("utf-8", errors="replace"))
     sink.flush()
