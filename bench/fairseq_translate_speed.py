@@ -107,12 +107,14 @@ def main() -> None:
         return tokens
 
     run(batches([len(sources[i]) for i in range(20)], s["max_tokens"]))  # warm-up
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     tokens = run(groups)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     print(json.dumps({"system": "fairseq", "sentences": len(sources), "tgt_tokens": tokens,
                       "seconds": seconds, "sentences_per_s": len(sources) / seconds,
-                      "tokens_per_s": tokens / seconds, "logp_max_abs_diff": max_diff}))
+                      "tokens_per_s": tokens / seconds, "cpu_seconds": cpu,
+                      "sentences_per_cpu_s": len(sources) / cpu,
+                      "tokens_per_cpu_s": tokens / cpu, "logp_max_abs_diff": max_diff}))
     sys.stdout.flush()
 
 

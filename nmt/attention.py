@@ -78,35 +78,50 @@ class SelfAttention(nn.Module):
                                                  is_causal=is_causal)  # (batch, heads, len, d_v)
         return self.merge(context)
 
-    def step(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, position: int) -> Tensor:
-        """One incremental decoder step: `x` (n, 1, d_model) is the newest position.
+    def step(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, position: int,
+             slot_mask: Tensor | None) -> Tensor:
+        """One incremental decoder step: `x` (n, 1, d_model) is the newest position of
+        n = groups * g rows, row r being slot r % g of group r // g (a sentence's beam).
 
-        `cache_k` (n, heads, capacity, d_k) and `cache_v` (n, heads, capacity, d_v) are
-        preallocated views of the decoder state; this step's key/value are written at
-        `position` in place (no concatenation), and the query attends over positions
-        0..position, all visible, so no mask is needed. Returns (n, 1, d_model).
+        `cache_k` (groups, heads, capacity, g, d_k) and `cache_v` (groups, heads, capacity,
+        g, d_v) are the decoder state's buffers: this step's key/value are written at
+        `position`, slot = row, in place (no concatenation, no per-step reorder). A row's
+        earlier positions may live in another slot of its group (beam reordering only
+        updates the ancestry), so each query attends over all g slots of positions
+        0..position and `slot_mask` (groups, 1, g, (position+1) * g), True where the slot
+        holds the row's own ancestor, keeps exactly its own history; None when g == 1.
+        Returns (n, 1, d_model).
         """
+        groups, _, _, g, _ = cache_k.shape
         q, k, v = self.project(x)  # (n, heads, 1, d)
-        cache_k[:, :, position] = k[:, :, 0]  # (n, heads, d_k) written in place
-        cache_v[:, :, position] = v[:, :, 0]  # (n, heads, d_v) written in place
-        keys = cache_k[:, :, : position + 1]  # (n, heads, t+1, d_k), a view
-        values = cache_v[:, :, : position + 1]  # (n, heads, t+1, d_v), a view
-        return self.merge(attend_one(q, keys, values, None))
+        # (groups, heads, g, d): slot s of group b is row b * g + s
+        cache_k[:, :, position] = k.view(groups, g, self.heads, self.d_k).transpose(1, 2)
+        cache_v[:, :, position] = v.view(groups, g, self.heads, self.d_v).transpose(1, 2)
+        keys = cache_k[:, :, : position + 1].flatten(2, 3)  # (groups, heads, (t+1)*g, d_k)
+        values = cache_v[:, :, : position + 1].flatten(2, 3)  # (groups, heads, (t+1)*g, d_v)
+        q = q.view(groups, g, self.heads, self.d_k).transpose(1, 2)  # (groups, heads, g, d_k)
+        context = attend_one(q, keys, values, slot_mask)  # (groups, heads, g, d_v)
+        context = context.transpose(1, 2).reshape(x.size(0), 1, -1)  # (n, 1, heads*d_v)
+        return self.out(context)  # (n, 1, d_model)
 
 
 def attend_one(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> Tensor:
-    """Attention of single-position queries (n, heads, 1, d_k) at inference.
+    """Attention at inference of a few queries per batch entry: q (b, heads, g, d_k)
+    against k (b, heads, len, d_k), v (b, heads, len, d_v); `attn_mask` None or boolean
+    broadcastable to (b, heads, g, len), True = may attend.
 
-    On GPU this is SDPA; on CPU SDPA's flash kernel has a high fixed cost for one query
+    Incremental decoding groups the g beam rows of one sentence as the g queries of one
+    entry, so the sentence's keys are read from memory once, not once per row. On GPU
+    this is SDPA; on CPU SDPA's flash kernel has a high fixed cost for so few queries
     (measured about 2x slower than two batched matmuls at beam-search shapes, see
     bench/model_speed.py), so the softmax is written out there.
     """
     if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
-    scores = q @ k.transpose(-1, -2) * q.size(-1) ** -0.5  # (n, heads, 1, t)
+    scores = q @ k.transpose(-1, -2) * q.size(-1) ** -0.5  # (b, heads, g, len)
     if attn_mask is not None:
-        scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
-    return scores.softmax(dim=-1) @ v  # (n, heads, 1, d_v)
+        scores = scores.masked_fill_(attn_mask.logical_not(), float("-inf"))
+    return scores.softmax(dim=-1) @ v  # (b, heads, g, d_v)
 
 
 class CrossAttention(nn.Module):
@@ -162,4 +177,30 @@ class CrossAttention(nn.Module):
             context = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attn_mask, dropout_p=drop)  # (batch, heads, tgt_len, d_v)
         context = context.transpose(1, 2).reshape(batch, length, -1)  # (batch, tgt, heads*d_v)
+        return self.out(context), weights
+
+    def step(self, x: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
+             need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Incremental decoding: `x` (n, 1, d_model) holds n = groups * g rows, g rows per
+        sentence, against per-SENTENCE encoder K (groups, heads, src_len, d_k) and V
+        (groups, heads, src_len, d_v); `attn_mask` None or (groups, 1, 1, src_len).
+
+        The g queries of a sentence share one matmul against its K/V (beam-fold less
+        memory traffic than per-row copies). Returns (output (n, 1, d_model), weights
+        (n, heads, src_len) when `need_weights`, else None).
+        """
+        groups = k.size(0)
+        g = x.size(0) // groups
+        q = self.q(x).view(groups, g, self.heads, self.d_k).transpose(1, 2)  # (b, heads, g, d_k)
+        weights = None
+        if need_weights:
+            scores = q @ k.transpose(-1, -2) * self.d_k ** -0.5  # (b, heads, g, src_len)
+            if attn_mask is not None:
+                scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
+            probs = scores.float().softmax(dim=-1).to(v.dtype)  # (b, heads, g, src_len)
+            context = probs @ v  # (b, heads, g, d_v)
+            weights = probs.transpose(1, 2).reshape(x.size(0), self.heads, -1)  # (n, heads, S)
+        else:
+            context = attend_one(q, k, v, attn_mask)  # (b, heads, g, d_v)
+        context = context.transpose(1, 2).reshape(x.size(0), 1, -1)  # (n, 1, heads*d_v)
         return self.out(context), weights

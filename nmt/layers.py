@@ -145,18 +145,22 @@ class DecoderLayer(nn.Module):
         return self.res_ffn.after(x, self.ffn(self.res_ffn.before(x)))
 
     def step(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, position: int,
-             cross_k: Tensor, cross_v: Tensor, cross_mask: Tensor | None,
-             need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
-        """One incremental step on `x` (n, 1, d_model) at `position`; this step's
-        self-attention key/value are written into the caches (n, heads, capacity, d).
+             slot_mask: Tensor | None, cross_k: Tensor, cross_v: Tensor,
+             cross_mask: Tensor | None, need_weights: bool = False
+             ) -> tuple[Tensor, Tensor | None]:
+        """One incremental step on `x` (n, 1, d_model) at `position`, n = groups * g rows
+        (g rows per sentence); this step's self-attention key/value are written into the
+        grouped caches (groups, heads, capacity, g, d) and `slot_mask` picks each row's own
+        history (see SelfAttention.step); cross_k/cross_v are per sentence (groups, ...).
 
-        Returns (output (n, 1, d_model), cross-attention weights (n, heads, 1, src_len) or
+        Returns (output (n, 1, d_model), cross-attention weights (n, heads, src_len) or
         None).
         """
-        attn = self.self_attn.step(self.res_self.before(x), cache_k, cache_v, position)
+        attn = self.self_attn.step(self.res_self.before(x), cache_k, cache_v, position,
+                                   slot_mask)
         x = self.res_self.after(x, attn)
-        cross, weights = self.cross_attn(self.res_cross.before(x), cross_k, cross_v, cross_mask,
-                                         need_weights=need_weights)
+        cross, weights = self.cross_attn.step(self.res_cross.before(x), cross_k, cross_v,
+                                              cross_mask, need_weights=need_weights)
         x = self.res_cross.after(x, cross)
         x = self.res_ffn.after(x, self.ffn(self.res_ffn.before(x)))
         return x, weights

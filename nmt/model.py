@@ -7,14 +7,17 @@ and is skipped entirely when the batch has no padding; the decoder's causal mask
 `is_causal`. Knowing whether a batch has padding costs one host sync per `encode()` unless
 the caller passes `has_pad` (the training loop may pass True to avoid it on GPU).
 
-Incremental decoding (`init_state`, `decode_step`, `reorder_cache`) keeps a key/value cache:
-cross-attention K/V of every layer are computed once per sentence (and copied by a reorder
-only when rows change sentence), self-attention K/V are written in place into preallocated
-buffers, one position per step. `reorder_cache` consumes its input state: the new state
-reuses the old buffers as the destination of the next reorder (ping-pong, no allocation
-or page faults per step), and using a consumed state raises. Search code treats
-`DecoderState` as opaque. Training uses `forward` (or
-`decode_features` + `logits` to project only non-padding positions).
+Incremental decoding (`init_state`, `decode_step`, `reorder_cache`) keeps a key/value cache
+organised by GROUP: the g rows of one sentence (its beam) share one copy of the
+cross-attention K/V, and their self-attention K/V live in g slots of preallocated per-group
+buffers, written in place one position per step. A reorder within the groups (beam search's
+per-step reordering) copies no key or value: it only permutes a small ancestry table
+(which slot holds each row's key at each position) that the attention turns into a mask.
+Whole groups are copied only when sentences leave (shrink) or the layout changes; using a
+state after `reorder_cache` consumed it raises. Search code treats
+`DecoderState` as opaque. Training uses `forward(..., select=rows)`, which projects only
+the non-padding target positions to the vocabulary (`decode_features` + `logits` do the
+same outside DistributedDataParallel).
 
 Inputs longer than `cfg.max_positions` raise UsageError; `nmt translate` truncates first.
 Imports torch only: no files, no CLI.
@@ -51,30 +54,36 @@ class EncoderOutput:
 
 @dataclass
 class DecoderState:
-    """Everything incremental decoding caches; dim 0 of every tensor is the row (n).
+    """Everything incremental decoding caches, for n = groups * g rows, g rows per group.
 
-    Self-attention keys/values live in preallocated buffers (one per layer, contiguous so
-    a slice of them feeds batched matmuls without a copy) whose capacity doubles when
-    full, so a step writes in place instead of concatenating. `rows` holds
-    the sentence each row belongs to: a reorder that keeps every row within its sentence
-    (beam search within a beam) leaves the per-sentence cross-attention K/V and masks
-    untouched. `attention_layer` picks the decoder layer whose encoder-decoder attention
+    Row r is slot r % g of group r // g. A group is one sentence (g = beam during beam
+    search, 1 before the expansion), so the encoder side is stored once per group. The
+    self-attention keys/values of every layer live in buffers (groups, heads, capacity,
+    g, d) whose capacity doubles when full; `decode_step` writes row r's newest key into
+    its own slot. `ancestry[b, s, p]` is the slot of group b that holds, at position p,
+    the key of the prefix row (b, s) now extends; beam reordering permutes `ancestry`
+    rows instead of copying the caches (see `Transformer.reorder_cache`).
+    `attention_layer` picks the decoder layer whose encoder-decoder attention
     `decode_step(..., need_attention=True)` stores in `attention` (n, heads, src_len).
     """
 
-    cross_k: list[Tensor]  # per layer (n, heads, src_len, d_k)
-    cross_v: list[Tensor]  # per layer (n, heads, src_len, d_v)
-    padding_mask: Tensor  # (n, src_len) True at PAD
-    cross_mask: Tensor | None  # (n, 1, 1, src_len) True = attend; None: no padding
-    rows: Tensor  # (n,) sentence index of each row
-    self_k: list[Tensor]  # per layer (n, heads, capacity, d_k); positions >= step unused
-    self_v: list[Tensor]  # per layer (n, heads, capacity, d_v)
+    cross_k: list[Tensor]  # per layer (groups, heads, src_len, d_k)
+    cross_v: list[Tensor]  # per layer (groups, heads, src_len, d_v)
+    padding_mask: Tensor  # (groups, src_len) True at PAD
+    cross_mask: Tensor | None  # (groups, 1, 1, src_len) True = attend; None: no padding
+    self_k: list[Tensor]  # per layer (groups, heads, capacity, g, d_k); positions >= step unused
+    self_v: list[Tensor]  # per layer (groups, heads, capacity, g, d_v)
+    ancestry: Tensor  # (groups, g, capacity) long: slot holding each row's key per position
+    group_size: int = 1  # g
     step: int = 0  # number of target tokens fed so far = position of the next one
     attention_layer: int = -1
     attention: Tensor | None = None
-    spare_k: list[Tensor] | None = None  # buffers of the previous state, reused by reorders
-    spare_v: list[Tensor] | None = None
     consumed: bool = False  # set by reorder_cache: this state's buffers now belong to another
+
+    @property
+    def rows(self) -> int:
+        """n = groups * g, the number of hypotheses decoded side by side."""
+        return self.ancestry.size(0) * self.group_size
 
 
 INITIAL_CAPACITY = 16  # target positions preallocated by init_state; doubled when full
@@ -152,25 +161,49 @@ class Transformer(nn.Module):
         in the compute dtype (the loss or search casts as it needs)."""
         return F.linear(features, self.embed.weight)
 
-    def forward(self, src: Tensor, tgt_in: Tensor, has_pad: bool | None = None) -> Tensor:
-        """Teacher-forced logits (batch, tgt_len, vocab)."""
-        return self.decode(tgt_in, self.encode(src, has_pad=has_pad))
+    def forward(self, src: Tensor, tgt_in: Tensor, has_pad: bool | None = None,
+                select: Tensor | None = None) -> Tensor:
+        """Teacher-forced logits (batch, tgt_len, vocab).
+
+        With `select` (n,) flat indices into (batch * tgt_len), only those positions are
+        projected and the result is (n, vocab): training passes the non-PAD target
+        positions, so padding costs nothing in the biggest matmul or the loss. Going through
+        `forward` (not `decode_features` + `logits`) keeps DistributedDataParallel's hooks.
+        """
+        enc = self.encode(src, has_pad=has_pad)
+        if select is None:
+            return self.decode(tgt_in, enc)
+        features = self.decode_features(tgt_in, enc)  # (batch, tgt_len, d_model)
+        flat = features.reshape(-1, features.size(-1))  # (batch * tgt_len, d_model)
+        return self.logits(flat.index_select(0, select))  # (n, vocab)
 
     def init_state(self, enc: EncoderOutput, attention_layer: int = -1) -> DecoderState:
         """Start incremental decoding: cross-attention K/V of every layer, computed once,
-        and an empty self-attention cache."""
-        cross = [layer.cross_attn.project_kv(enc.states) for layer in self.decoder]
-        cross_k, cross_v = [k for k, _ in cross], [v for _, v in cross]
-        n, cfg = enc.states.size(0), self.cfg
-        capacity = min(INITIAL_CAPACITY, cfg.max_positions)
-        dtype, device = cross_k[0].dtype, cross_k[0].device
-        self_k = [torch.empty(n, cfg.heads, capacity, cfg.head_dim_k, dtype=dtype,
-                              device=device) for _ in self.decoder]  # (n, heads, cap, d_k)
-        self_v = [torch.empty(n, cfg.heads, capacity, cfg.head_dim_v, dtype=dtype,
-                              device=device) for _ in self.decoder]  # (n, heads, cap, d_v)
-        return DecoderState(cross_k=cross_k, cross_v=cross_v, padding_mask=enc.padding_mask,
-                            cross_mask=enc.attn_mask(), rows=torch.arange(n, device=device),
-                            self_k=self_k, self_v=self_v, attention_layer=attention_layer)
+        and an empty self-attention cache; one row (group of size 1) per sentence."""
+        # Contiguous once here, so every step's matmuls read K/V in place (a transposed
+        # view would make each step's bmm copy them).
+        cross = [tuple(t.contiguous() for t in layer.cross_attn.project_kv(enc.states))
+                 for layer in self.decoder]  # per layer (K, V), each (n, heads, src_len, d)
+        n = enc.states.size(0)
+        capacity = min(INITIAL_CAPACITY, self.cfg.max_positions)
+        self_k, self_v = self._empty_caches(n, capacity, 1, cross[0][0])
+        return DecoderState(cross_k=[k for k, _ in cross], cross_v=[v for _, v in cross],
+                            padding_mask=enc.padding_mask, cross_mask=enc.attn_mask(),
+                            self_k=self_k, self_v=self_v,
+                            ancestry=torch.zeros(n, 1, capacity, dtype=torch.long,
+                                                 device=enc.states.device),
+                            attention_layer=attention_layer)
+
+    def _empty_caches(self, groups: int, capacity: int, g: int, like: Tensor
+                      ) -> tuple[list[Tensor], list[Tensor]]:
+        """Uninitialised self-attention buffers of every layer, dtype/device of `like`."""
+        cfg = self.cfg
+
+        def empty(d: int) -> list[Tensor]:
+            return [like.new_empty(groups, cfg.heads, capacity, g, d)  # (b, heads, cap, g, d)
+                    for _ in self.decoder]
+
+        return empty(cfg.head_dim_k), empty(cfg.head_dim_v)
 
     def decode_step(self, tokens: Tensor, state: DecoderState,
                     need_attention: bool = False) -> Tensor:
@@ -184,67 +217,119 @@ class Transformer(nn.Module):
         _check_live(state)
         position = state.step
         positions = self.dec_positions(1, offset=position)  # (1, d_model); checks the limit
-        if position == state.self_k[0].size(2):
+        if position == state.ancestry.size(2):
             _grow(state, min(2 * position, self.cfg.max_positions))
+        g = state.group_size
+        slot_mask = None
+        if g > 1:  # each row's newest key goes to its own slot; mask the others' history
+            slots = torch.arange(g, device=tokens.device)
+            state.ancestry[:, :, position] = slots
+            ancestry = state.ancestry[:, :, : position + 1]  # (groups, g, t+1)
+            slot_mask = ancestry.unsqueeze(-1) == slots  # (groups, g, t+1, g)
+            slot_mask = slot_mask.flatten(2).unsqueeze(1)  # (groups, 1, g, (t+1)*g)
         x = self._embed(tokens[:, None], positions)  # (n, 1, d_model)
         want = state.attention_layer % len(self.decoder) if need_attention else -1
         for i, layer in enumerate(self.decoder):
-            x, weights = layer.step(x, state.self_k[i], state.self_v[i], position,
+            x, weights = layer.step(x, state.self_k[i], state.self_v[i], position, slot_mask,
                                     state.cross_k[i], state.cross_v[i], state.cross_mask,
                                     need_weights=i == want)
             if weights is not None:
-                state.attention = weights[:, :, 0]  # (n, heads, src_len)
+                state.attention = weights  # (n, heads, src_len)
         if self.dec_norm is not None:
             x = self.dec_norm(x)
         state.step += 1
         return self.logits(x[:, 0])  # (n, vocab)
 
     def reorder_cache(self, state: DecoderState, new_order: Tensor) -> DecoderState:
-        """A state whose row j is row new_order[j] of `state` (beam reordering, or B ->
-        B*beam expansion with `arange(B).repeat_interleave(beam)`).
+        """A state whose row j is row new_order[j] of `state` (beam reordering, B -> B*beam
+        expansion with `arange(B).repeat_interleave(beam)`, dropping sentences, or any
+        other selection).
 
-        Cross-attention K/V and masks are copied only when some row changes sentence
-        (expansion, shrinking, arbitrary permutations); checking that is one host sync.
-        `state` is consumed: its buffers become the spare of the returned state, so any
-        later use of `state` raises RuntimeError.
+        The new layout keeps g rows per group when every block of g new rows comes from
+        one old group: then only the ancestry table is permuted, and K/V are copied only
+        for groups that move (shrinking, permuting sentences). Expanding g = 1 rows into
+        blocks of k copies of one row makes groups of k. Anything else falls back to one
+        row per group, each row's own history gathered. Deciding costs one host sync.
+        `state` is consumed: the returned state may share its buffers, so any later use
+        of `state` raises RuntimeError.
         """
         _check_live(state)
         state.consumed = True
-        rows = state.rows.index_select(0, new_order)
-        if rows.shape == state.rows.shape and torch.equal(rows, state.rows):
+        g, groups, used = state.group_size, state.ancestry.size(0), state.step
+        n_new = new_order.numel()
+        group_of = torch.div(new_order, g, rounding_mode="floor")  # (n',) old group
+        new_g = _group_size(group_of, g, state.rows, n_new, groups)
+        src = group_of.view(-1, new_g)[:, 0]  # (groups',) old group of each new group
+        same_groups = src.numel() == groups and bool(torch.equal(src, torch.arange(
+            groups, device=src.device)))
+        if same_groups:
             cross_k, cross_v = state.cross_k, state.cross_v
             padding_mask, cross_mask = state.padding_mask, state.cross_mask
         else:
-            cross_k = [k.index_select(0, new_order) for k in state.cross_k]
-            cross_v = [v.index_select(0, new_order) for v in state.cross_v]
-            padding_mask = state.padding_mask.index_select(0, new_order)
+            cross_k = [k.index_select(0, src) for k in state.cross_k]
+            cross_v = [v.index_select(0, src) for v in state.cross_v]
+            padding_mask = state.padding_mask.index_select(0, src)
             cross_mask = (None if state.cross_mask is None
-                          else state.cross_mask.index_select(0, new_order))
+                          else state.cross_mask.index_select(0, src))
+        capacity = state.ancestry.size(2)
+        if new_g == g:  # slots stay in their group: permute the ancestry, move whole groups
+            ancestry = state.ancestry.view(-1, capacity).index_select(0, new_order)
+            ancestry = ancestry.view(-1, g, capacity)  # (groups', g, capacity)
+            self_k, self_v = state.self_k, state.self_v
+            if not same_groups:
+                self_k = [_take_groups(c, src, used) for c in self_k]
+                self_v = [_take_groups(c, src, used) for c in self_v]
+        else:  # new layout: every row's own history gathered into its own slot
+            self_k, self_v = self._empty_caches(src.numel(), capacity, new_g,
+                                                state.cross_k[0])
+            if used:
+                slot_of = state.ancestry.view(-1, capacity)[:, :used].index_select(0, new_order)
+                for old, new in zip(state.self_k + state.self_v, self_k + self_v, strict=True):
+                    _gather_history(old, new, group_of, slot_of, new_g)
+            ancestry = torch.arange(new_g, device=new_order.device)  # (g',)
+            ancestry = ancestry.view(1, new_g, 1).expand(src.numel(), new_g, capacity).clone()
         attention = (None if state.attention is None
                      else state.attention.index_select(0, new_order))
         return DecoderState(cross_k=cross_k, cross_v=cross_v, padding_mask=padding_mask,
-                            cross_mask=cross_mask, rows=rows,
-                            self_k=_pick_used(state.self_k, new_order, state.step, state.spare_k),
-                            self_v=_pick_used(state.self_v, new_order, state.step, state.spare_v),
-                            spare_k=state.self_k, spare_v=state.self_v,
-                            step=state.step, attention_layer=state.attention_layer,
-                            attention=attention)
+                            cross_mask=cross_mask, self_k=self_k, self_v=self_v,
+                            ancestry=ancestry, group_size=new_g, step=used,
+                            attention_layer=state.attention_layer, attention=attention)
 
 
-def _pick_used(caches: list[Tensor], new_order: Tensor, used: int,
-               spares: list[Tensor] | None) -> list[Tensor]:
-    """Rows `new_order` of each (n, heads, capacity, d) cache, written into the matching
-    spare buffer when it has the right shape (else a new one); only the `used` positions
-    are copied, the rest is never read."""
-    out = []
-    for i, cache in enumerate(caches):
-        shape = (new_order.size(0), *cache.shape[1:])  # (n', heads, capacity, d)
-        new = spares[i] if spares is not None and spares[i].shape == shape else None
-        if new is None:
-            new = cache.new_empty(shape)
-        torch.index_select(cache[:, :, :used], 0, new_order, out=new[:, :, :used])
-        out.append(new)
-    return out
+def _group_size(group_of: Tensor, g: int, rows: int, n_new: int, groups: int) -> int:
+    """Rows per group after a reorder whose new row j comes from old group group_of[j]:
+    k when g == 1 and the new rows are blocks of k copies (an expansion), g when every
+    block of g new rows stays within one old group, else 1."""
+    if g == 1 and n_new > rows and n_new % rows == 0:
+        candidate = n_new // rows
+    elif g > 1 and n_new % g == 0:
+        candidate = g
+    else:
+        return 1
+    blocks = group_of.view(-1, candidate)  # (groups', candidate)
+    return candidate if bool((blocks == blocks[:, :1]).all()) else 1
+
+
+def _take_groups(cache: Tensor, src: Tensor, used: int) -> Tensor:
+    """Groups `src` of a (groups, heads, capacity, g, d) cache, first `used` positions
+    copied (the rest is never read)."""
+    new = cache.new_empty(src.numel(), *cache.shape[1:])  # (groups', heads, cap, g, d)
+    if used:
+        torch.index_select(cache[:, :, :used], 0, src, out=new[:, :, :used])  # no temporary
+    return new
+
+
+def _gather_history(old: Tensor, new: Tensor, group_of: Tensor, slot_of: Tensor,
+                    new_g: int) -> None:
+    """Write into `new` (groups', heads, cap, g', d) each new row's own key/value history
+    from `old` (groups, heads, cap, g, d): row j at position p reads old group
+    group_of[j], slot slot_of[j, p]; it lands in slot j % g' of group j // g'."""
+    used = slot_of.size(1)
+    positions = torch.arange(used, device=old.device)
+    # advanced indices around the heads slice: (n', used, heads, d)
+    picked = old[group_of[:, None], :, positions[None, :], slot_of]
+    picked = picked.view(-1, new_g, used, old.size(1), old.size(-1))  # (groups', g', used, h, d)
+    new[:, :, :used] = picked.permute(0, 3, 2, 1, 4)  # (groups', heads, used, g', d)
 
 
 def _check_live(state: DecoderState) -> None:
@@ -255,14 +340,17 @@ def _check_live(state: DecoderState) -> None:
 
 
 def _grow(state: DecoderState, capacity: int) -> None:
-    """Enlarge the self-attention caches of `state` to `capacity` positions, in place."""
+    """Enlarge the self-attention caches and ancestry of `state` to `capacity` positions,
+    in place."""
     used = state.step
 
     def grown(old: Tensor) -> Tensor:
-        new = old.new_empty(old.size(0), old.size(1), capacity, old.size(3))  # (n, h, cap, d)
+        new = old.new_empty(*old.shape[:2], capacity, *old.shape[3:])  # (b, h, cap, g, d)
         new[:, :, :used] = old[:, :, :used]
         return new
 
     state.self_k = [grown(k) for k in state.self_k]
     state.self_v = [grown(v) for v in state.self_v]
-    state.spare_k = state.spare_v = None  # the wrong capacity now; reorders allocate anew
+    ancestry = state.ancestry.new_zeros(*state.ancestry.shape[:2], capacity)  # (b, g, cap)
+    ancestry[:, :, :used] = state.ancestry[:, :, :used]
+    state.ancestry = ancestry

@@ -141,7 +141,8 @@ def beam_search(decoder: StepDecoder, max_lens: Tensor, beam: int = 4, alpha: fl
     if n_sent == 0:
         return []
     width = int(max_lens.max().item()) + 2  # BOS + pieces + EOS
-    decoder.reorder(torch.arange(n_sent, device=device).repeat_interleave(beam))
+    # The decoder keeps one row per sentence for step 0 (all beams hold the same BOS
+    # prefix, so it is computed once) and is expanded to B * beam by step 0's reorder.
 
     tokens = torch.full((n_sent, beam, width), PAD_ID, dtype=torch.long, device=device)
     tokens[:, :, 0] = BOS_ID
@@ -156,14 +157,23 @@ def beam_search(decoder: StepDecoder, max_lens: Tensor, beam: int = 4, alpha: fl
 
     for t in range(width - 1):
         n_rows = active.numel()
-        log_probs = decoder.step(tokens[:, :, t].reshape(-1))  # (rows * beam, V)
+        if t == 0:
+            log_probs = decoder.step(tokens[:, 0, 0])  # (rows, V): one row per sentence
+            log_probs = log_probs.repeat_interleave(beam, dim=0)  # (rows * beam, V)
+        else:
+            log_probs = decoder.step(tokens[:, :, t].reshape(-1))  # (rows * beam, V)
         vocab = log_probs.size(-1)
         at_max = (lens == t).repeat_interleave(beam) if t in lens_host else None  # (rows*beam,)
         log_probs = _restrict(log_probs, at_max).view(n_rows, beam, vocab)
-        cand = (scores.unsqueeze(-1) + log_probs).view(n_rows, beam * vocab)  # (rows, beam*V)
-        top_scores, top_idx = cand.topk(min(2 * beam, beam * vocab), dim=1)  # (rows, 2beam)
-        src_beam = torch.div(top_idx, vocab, rounding_mode="floor")
-        top_tok = top_idx % vocab
+        # The best 2*beam of a sentence's beam*V candidates are among the best 2*beam of
+        # each row (a row's cumulative score shifts all its candidates equally), so rank
+        # per row first and add the beam scores to those few only: no (rows, beam*V) pass.
+        k = min(2 * beam, vocab)
+        row_top, row_tok = log_probs.topk(k, dim=-1)  # (rows, beam, k)
+        cand = (scores.unsqueeze(-1) + row_top).view(n_rows, beam * k)  # (rows, beam*k)
+        top_scores, top_idx = cand.topk(min(2 * beam, beam * k), dim=1)  # (rows, 2beam)
+        src_beam = torch.div(top_idx, k, rounding_mode="floor")
+        top_tok = row_tok.view(n_rows, beam * k).gather(1, top_idx)  # (rows, 2beam)
         is_eos = top_tok == EOS_ID
 
         # Finish EOS candidates ranked within the top `beam` (|Y| = t pieces + EOS).
@@ -180,7 +190,10 @@ def beam_search(decoder: StepDecoder, max_lens: Tensor, beam: int = 4, alpha: fl
         tokens = _gather_rows(tokens, keep_beam)
         tokens[:, :, t + 1] = top_tok.gather(1, pick)
         row_base = torch.arange(n_rows, device=device).unsqueeze(1) * beam  # (rows, 1)
-        decoder.reorder((row_base + keep_beam).view(-1))  # (rows * beam,)
+        if t == 0:  # expand B -> B * beam: every beam's state is the BOS one
+            decoder.reorder(torch.arange(n_rows, device=device).repeat_interleave(beam))
+        else:
+            decoder.reorder((row_base + keep_beam).view(-1))  # (rows * beam,)
         alive_ok = torch.isfinite(scores[:, :1])  # (rows, 1)
         fallback = fallback.where(~alive_ok, tokens[:, :1], scores[:, :1], scores[:, :1])
 

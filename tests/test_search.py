@@ -321,3 +321,62 @@ def test_model_incremental_equals_full_redecoding() -> None:
                 break
             prefix.append(nxt)
         assert tokens == prefix[1:]
+
+
+@torch.no_grad()
+def test_beam_cache_is_grouped_per_sentence_and_reorders_without_copies() -> None:
+    """Performance layout: encoder K/V once per sentence, step 0 computed once per sentence,
+    and beam reordering moves no key/value (only the ancestry table), yet the search
+    result equals that of a decoder that re-decodes every prefix in full."""
+    from nmt.search import ModelStepDecoder
+
+    model = tiny_model(seed=5)
+    src = padded(SOURCES)
+    beam = 3
+    dec = ModelStepDecoder(model, src)
+    sizes: list[int] = []
+    step, reorder = dec.step, dec.reorder
+    buffers: list[tuple[int, int, int]] = []  # (rows before, rows after, buffer kept?)
+
+    def counting_step(tokens: torch.Tensor) -> torch.Tensor:
+        sizes.append(tokens.numel())
+        return step(tokens)
+
+    def tracking_reorder(new_order: torch.Tensor) -> None:
+        before, ptr = dec.state.rows, dec.state.self_k[0].data_ptr()
+        reorder(new_order)
+        buffers.append((before, dec.state.rows, int(dec.state.self_k[0].data_ptr() == ptr)))
+
+    dec.step, dec.reorder = counting_step, tracking_reorder  # type: ignore[method-assign]
+    max_lens = max_output_lengths(src, 1.0, 4)
+    hyps = beam_search(dec, max_lens, beam=beam, alpha=0.6, nbest=beam)
+    assert sizes[0] == len(SOURCES) and sizes[1] == len(SOURCES) * beam
+    assert dec.state.group_size == beam
+    assert dec.state.cross_k[0].size(0) == dec.state.rows // beam  # one copy per sentence
+    within = [kept for before, after, kept in buffers[1:] if before == after]
+    assert within and all(within)  # same-size reorders reuse the very same K/V buffers
+    assert any(after < before for before, after, _ in buffers)  # finished sentences left
+
+    class FullRedecoder:
+        """Reference StepDecoder: re-decodes each row's whole prefix, no cache at all."""
+
+        def __init__(self) -> None:
+            self.enc = model.encode(src)
+            self.rows = torch.arange(len(SOURCES))
+            self.prefix = torch.full((len(SOURCES), 0), BOS_ID)
+
+        def step(self, tokens: torch.Tensor) -> torch.Tensor:
+            self.prefix = torch.cat([self.prefix, tokens[:, None]], dim=1)  # (N, t+1)
+            enc = type(self.enc)(states=self.enc.states[self.rows],
+                                 padding_mask=self.enc.padding_mask[self.rows])
+            logits = model.decode(self.prefix, enc)[:, -1].float()  # (N, V)
+            return torch.log_softmax(logits, dim=-1)
+
+        def reorder(self, new_order: torch.Tensor) -> None:
+            self.rows, self.prefix = self.rows[new_order], self.prefix[new_order]
+
+    reference = beam_search(FullRedecoder(), max_lens, beam=beam, alpha=0.6, nbest=beam)
+    for got, want in zip(hyps, reference, strict=True):
+        assert [h.tokens for h in got] == [h.tokens for h in want]
+        for x, y in zip(got, want, strict=True):
+            assert x.score == pytest.approx(y.score, abs=1e-4)
