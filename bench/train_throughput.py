@@ -1,12 +1,29 @@
 """Training throughput on CPU: nmt vs fairseq on identical batches and architecture.
 
-For the `small` and `base` shapes, times forward + backward + Adam step (fp32, dropout 0.1,
-label smoothing 0.1, shared embeddings, post-norm) on the same length-bucketed batches of
-random ids with Multi30k-like lengths, and reports non-padding source + target tokens/s
-(median over steps) and peak RSS. Each measurement runs in its own process; fairseq runs
-in bench/.venv-fairseq via bench/_fairseq_train_step.py. Ends with one JSON line.
+For the `small` and `base` shapes, times one training update (forward + backward + Adam
+step + zero_grad; dropout 0.1, label smoothing 0.1, shared embeddings, post-norm) on the
+same length-bucketed batches of random ids with Multi30k-like lengths, and reports
+non-padding source + target tokens/s and peak RSS. nmt runs exactly the hot path of
+nmt/train/loop.py (non-PAD target rows projected, fused smoothed loss, its Adam); fairseq
+(bench/.venv-fairseq, bench/_fairseq_train_step.py) runs TransformerModel +
+label_smoothed_nll_loss + torch Adam.
 
-    .venv/bin/python bench/train_throughput.py [--threads 2] [--steps 8]
+Fair measurement on a shared machine: every measurement is its own process; nmt and
+fairseq alternate (`--rounds`), so load changes hit both alike; tokens/s is reported both
+per process CPU second (robust to other jobs when --threads 1) and per wall second, as the
+median over all timed steps of all rounds. The load average is printed with the results.
+
+Settings compared (each labelled in the output; --settings picks):
+  fp32   nmt fp32 vs fairseq fp32: like for like (default)
+  best   nmt --precision bf16 (autocast) vs fairseq fp32, fairseq's best setting that runs
+         on CPU: `fairseq-train --cpu --bf16` switches on its TPU mode and fails without
+         torch_xla; `--amp` autocasts CUDA only (default)
+  bf16   nmt bf16 vs an emulation of fairseq --bf16 (bf16 weights, fp32 master copy in the
+         optimizer, as its FP16Optimizer does): what fairseq would reach if it ran
+
+    .venv/bin/python bench/train_throughput.py [--threads 1] [--steps 8] [--rounds 3]
+        [--base-steps 3] [--base-rounds 2] [--shapes small,base] [--settings fp32,best]
+Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -28,6 +45,11 @@ REPO = Path(__file__).resolve().parents[1]
 FAIRSEQ_PY = REPO / "bench" / ".venv-fairseq" / "bin" / "python"
 SHAPES = {"small": dict(layers=3, d_model=256, d_ff=1024, heads=4),
           "base": dict(layers=6, d_model=512, d_ff=2048, heads=8)}
+# (nmt precision, fairseq precision). fairseq's --bf16 turns on its TPU mode and dies
+# without torch_xla on CPU (checked with fairseq-train --cpu --bf16), and its --amp uses
+# torch.cuda.amp (no effect on CPU ops), so fairseq's best working CPU setting is fp32.
+# "bf16" compares against an emulation of what --bf16 would do (see _fairseq_train_step).
+SETTINGS = {"fp32": ("fp32", "fp32"), "best": ("bf16", "fp32"), "bf16": ("bf16", "bf16")}
 
 
 def make_batches(path: Path, steps: int, max_tokens: int, vocab: int, seed: int = 1) -> None:
@@ -54,102 +76,170 @@ def make_batches(path: Path, steps: int, max_tokens: int, vocab: int, seed: int 
     np.savez(path, **arrays)
 
 
-def nmt_child(batches: str, shape: dict, threads: int, warmup_steps: int) -> dict:
-    """Time nmt's training step (the same code as nmt/train/loop.py's micro-batch)."""
+def summarize(toolkit: str, tokens: list[int], cpu: list[float], wall: list[float]) -> dict:
+    """Per-step rates of one child process, plus its peak RSS."""
+    return {"toolkit": toolkit, "tokens": tokens, "cpu_s": cpu, "wall_s": wall,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def nmt_child(batches: str, shape: dict, threads: int, precision: str, warmup: int,
+              count: int) -> dict:
+    """Time nmt's training update: the micro-batch code of nmt/train/loop.py."""
     import torch
 
     from nmt.config import ModelConfig, TrainConfig
     from nmt.model import Transformer
-    from nmt.train.loss import label_smoothed_nll
+    from nmt.train.host_memory import keep_freed_memory
+    from nmt.train.loss import label_smoothed_nll, target_positions
+    from nmt.train.precision import autocast
     from nmt.train.schedule import build_optimizer
 
+    keep_freed_memory()  # as Trainer does on CPU
     torch.set_num_threads(threads)
     torch.manual_seed(1)
     data = np.load(batches)
     cfg = ModelConfig(vocab_size=int(data["vocab"]), encoder_layers=shape["layers"],
                       decoder_layers=shape["layers"], d_model=shape["d_model"],
                       d_ff=shape["d_ff"], heads=shape["heads"], dropout=0.1)
+    device = torch.device("cpu")
     model = Transformer(cfg).train()
-    optimizer = build_optimizer(model.parameters(), TrainConfig(), torch.device("cpu"))
-    times, tokens = [], []
-    for i in range(int(data["count"])):
-        src = torch.from_numpy(data[f"src{i}"])
+    optimizer = build_optimizer(model.parameters(), TrainConfig(), device)
+    for group in optimizer.param_groups:
+        group["lr"] = 1e-4
+    tokens, cpu, wall = [], [], []
+    for i in range(min(int(data["count"]), warmup + count)):
+        src_np, tgt_out_np = data[f"src{i}"], data[f"tgt_out{i}"]
+        src = torch.from_numpy(src_np)
         tgt_in = torch.from_numpy(data[f"tgt_in{i}"])
-        tgt_out = torch.from_numpy(data[f"tgt_out{i}"])
-        start = time.perf_counter()
-        logits = model(src, tgt_in, has_pad=True)
-        loss, _ = label_smoothed_nll(logits, tgt_out, 0.1, 0)
-        ntok = int(tgt_out.ne(0).sum())
-        (loss / ntok).backward()
+        tgt_out = torch.from_numpy(tgt_out_np)
+        c0, w0 = time.process_time(), time.perf_counter()
+        src_lens = (src_np != 0).sum(1)  # the loop reads these from host length arrays
+        tgt_lens = (tgt_out_np != 0).sum(1)
+        ntok = int(tgt_lens.sum())
+        rows = target_positions(tgt_lens, tgt_out.size(1))
+        select = None if rows is None else torch.from_numpy(rows)
+        target = tgt_out if select is None else tgt_out.reshape(-1).index_select(0, select)
+        with autocast(device, precision):
+            logits = model(src, tgt_in, has_pad=bool(src_lens.min() != src_lens.max()),
+                           select=select)
+            loss, _ = label_smoothed_nll(logits, target, 0.1, 0)
+        (loss * (1.0 / ntok)).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        elapsed = time.perf_counter() - start
-        if i >= warmup_steps:
-            times.append(elapsed)
-            tokens.append(int(src.ne(0).sum()) + ntok)
-    rates = [t / s for t, s in zip(tokens, times, strict=True)]
-    return {"toolkit": "nmt", "tokens_per_s": statistics.median(rates),
-            "total_tokens_per_s": sum(tokens) / sum(times),
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "steps": len(times)}
+        c1, w1 = time.process_time(), time.perf_counter()
+        if i >= warmup:
+            tokens.append(int(src_lens.sum()) + ntok)
+            cpu.append(c1 - c0)
+            wall.append(w1 - w0)
+    return summarize("nmt", tokens, cpu, wall)
 
 
-def run_child(cmd: list[str]) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+def run_child(cmd: list[str], threads: int) -> dict:
+    """Run one measurement process; its last stdout line is JSON."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     if out.returncode != 0:
         raise SystemExit(f"child failed: {' '.join(cmd)}\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def rates(runs: list[dict]) -> dict:
+    """Median tokens/s per CPU second and per wall second over every step of `runs`."""
+    steps = [(t, c, w) for r in runs
+             for t, c, w in zip(r["tokens"], r["cpu_s"], r["wall_s"], strict=True)]
+    return {"tokens_per_cpu_s": statistics.median(t / c for t, c, _ in steps),
+            "tokens_per_wall_s": statistics.median(t / w for t, _, w in steps),
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "steps": len(steps),
+            "rounds": len(runs)}
+
+
+def measure(name: str, setting: str, batches: Path, opts: argparse.Namespace) -> dict:
+    """Alternate nmt and fairseq runs of one shape and setting; both sides' rates."""
+    shape = SHAPES[name]
+    ours_prec, theirs_prec = SETTINGS[setting]
+    steps = opts.steps if name == "small" else opts.base_steps
+    rounds = opts.rounds if name == "small" else opts.base_rounds
+    ours, theirs = [], []
+    for _ in range(rounds):
+        ours.append(run_child([sys.executable, __file__, "--child", "nmt", "--batches",
+                               str(batches), "--shape", name, "--precision", ours_prec,
+                               "--threads", str(opts.threads), "--count", str(steps)],
+                              opts.threads))
+        if FAIRSEQ_PY.exists():
+            theirs.append(run_child([
+                str(FAIRSEQ_PY), str(REPO / "bench" / "_fairseq_train_step.py"),
+                str(batches), "--layers", str(shape["layers"]), "--d-model",
+                str(shape["d_model"]), "--d-ff", str(shape["d_ff"]), "--heads",
+                str(shape["heads"]), "--threads", str(opts.threads), "--precision",
+                theirs_prec, "--count", str(steps), "--warmup-steps", str(opts.warmup)],
+                opts.threads))
+    entry: dict = {"nmt_precision": ours_prec, "nmt": rates(ours)}
+    if theirs:
+        entry["fairseq_precision"] = theirs_prec
+        entry["fairseq"] = rates(theirs)
+        for unit in ("cpu", "wall"):
+            key = f"tokens_per_{unit}_s"
+            entry[f"ratio_{unit}"] = entry["nmt"][key] / entry["fairseq"][key]
+    return entry
+
+
+def describe(name: str, setting: str, e: dict) -> str:
+    """One human-readable result line."""
+    n = e["nmt"]
+    line = (f"{name:5s} {setting:4s} nmt[{e['nmt_precision']}] "
+            f"{n['tokens_per_cpu_s']:6.0f} tok/cpu-s {n['tokens_per_wall_s']:6.0f} tok/wall-s "
+            f"{n['peak_rss_mb']:5.0f} MB")
+    if "fairseq" not in e:
+        return line + " | fairseq venv missing"
+    f = e["fairseq"]
+    return (line + f" | fairseq[{e['fairseq_precision']}] {f['tokens_per_cpu_s']:6.0f} "
+            f"tok/cpu-s {f['tokens_per_wall_s']:6.0f} tok/wall-s {f['peak_rss_mb']:5.0f} MB"
+            f" | ratio cpu {e['ratio_cpu']:.2f}x wall {e['ratio_wall']:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=8, help="timed steps (+2 warm-up)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per process (1: CPU-time rates are robust)")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps for small")
+    parser.add_argument("--base-steps", type=int, default=3, help="timed steps for base")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed first steps")
     parser.add_argument("--max-tokens", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=10000)
-    parser.add_argument("--rounds", type=int, default=2, help="alternating repeats")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating repeats (small)")
+    parser.add_argument("--base-rounds", type=int, default=2, help="alternating repeats (base)")
     parser.add_argument("--shapes", default="small,base")
+    parser.add_argument("--settings", default="fp32,best")
     parser.add_argument("--child", choices=["nmt"], help=argparse.SUPPRESS)
     parser.add_argument("--batches", help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
+    parser.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
+    parser.add_argument("--count", type=int, help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.child:
-        print(json.dumps(nmt_child(opts.batches, SHAPES[opts.shape], opts.threads, 2)))
+        result = nmt_child(opts.batches, SHAPES[opts.shape], opts.threads, opts.precision,
+                           opts.warmup, opts.count or opts.steps)
+        print(json.dumps(result))
         return
     results: dict[str, dict] = {}
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         batches = Path(tmp) / "batches.npz"
-        make_batches(batches, opts.steps + 2, opts.max_tokens, opts.vocab)
+        make_batches(batches, max(opts.steps, opts.base_steps) + opts.warmup,
+                     opts.max_tokens, opts.vocab)
         for name in opts.shapes.split(","):
-            shape = SHAPES[name]
-            ours, theirs = [], []
-            for _ in range(opts.rounds):  # alternate so load changes hit both alike
-                ours.append(run_child([sys.executable, __file__, "--child", "nmt", "--batches",
-                                       str(batches), "--shape", name,
-                                       "--threads", str(opts.threads)]))
-                if FAIRSEQ_PY.exists():
-                    theirs.append(run_child([
-                        str(FAIRSEQ_PY), str(REPO / "bench" / "_fairseq_train_step.py"),
-                        str(batches), "--layers", str(shape["layers"]), "--d-model",
-                        str(shape["d_model"]), "--d-ff", str(shape["d_ff"]), "--heads",
-                        str(shape["heads"]), "--threads", str(opts.threads)]))
-            best = max(ours, key=lambda r: r["tokens_per_s"])
-            entry = {"nmt_tokens_per_s": best["tokens_per_s"],
-                     "nmt_peak_rss_mb": best["peak_rss_mb"]}
-            if theirs:
-                fb = max(theirs, key=lambda r: r["tokens_per_s"])
-                entry.update(fairseq_tokens_per_s=fb["tokens_per_s"],
-                             fairseq_peak_rss_mb=fb["peak_rss_mb"],
-                             ratio=best["tokens_per_s"] / fb["tokens_per_s"])
-            results[name] = entry
-            print(f"{name}: nmt {entry['nmt_tokens_per_s']:.0f} tok/s "
-                  f"({entry['nmt_peak_rss_mb']:.0f} MB)"
-                  + (f" | fairseq {entry['fairseq_tokens_per_s']:.0f} tok/s "
-                     f"({entry['fairseq_peak_rss_mb']:.0f} MB) | ratio {entry['ratio']:.2f}x"
-                     if "ratio" in entry else " | fairseq venv missing"), flush=True)
+            for setting in opts.settings.split(","):
+                entry = measure(name, setting, batches, opts)
+                results[f"{name}/{setting}"] = entry
+                print(describe(name, setting, entry), flush=True)
+    load = [load_before, os.getloadavg()[0]]
+    print(f"load average (1 min) before/after: {load[0]:.1f} / {load[1]:.1f} on "
+          f"{os.cpu_count()} cores; rates are medians over all timed steps of "
+          f"{opts.rounds} (small) / {opts.base_rounds} (base) alternating rounds", flush=True)
     print(json.dumps({"bench": "train_throughput", "device": "cpu", "threads": opts.threads,
-                      "max_tokens": opts.max_tokens, "results": results}))
+                      "max_tokens": opts.max_tokens, "vocab": opts.vocab,
+                      "load_avg": load, "results": {
+                          k: v for k, v in results.items()}}))
 
 
 if __name__ == "__main__":

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+import pytest
 import torch
 
-from nmt.train.loss import label_smoothed_nll
+from nmt.train.loss import label_smoothed_nll, smoothed_cross_entropy, target_positions
 
 
 def test_matches_hand_computation_and_ignores_pad():
@@ -41,3 +43,87 @@ def test_bf16_logits_give_fp32_loss():
     logits = torch.randn(1, 2, 5).bfloat16()
     loss, _ = label_smoothed_nll(logits, torch.tensor([[1, 2]]), 0.1, pad_id=0)
     assert loss.dtype == torch.float32
+
+
+def _reference(logits, target, eps, pad):
+    """The straightforward log_softmax formulation the fused function replaces."""
+    vocab = logits.size(-1)
+    lprobs = torch.log_softmax(logits.double().reshape(-1, vocab), dim=-1)
+    flat = target.reshape(-1)
+    keep = flat != pad
+    nll = -lprobs.gather(-1, flat[:, None]).squeeze(-1)[keep].sum()
+    smooth = -lprobs.sum(-1)[keep].sum()
+    eps_i = eps / (vocab - 1)
+    return (1 - eps - eps_i) * nll + eps_i * smooth, nll
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
+def test_fused_loss_and_gradient_match_log_softmax_reference(eps):
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(3, 5, 11, generator=gen, dtype=torch.float64) * 3
+    target = torch.randint(1, 11, (3, 5), generator=gen)
+    target[0, 3:] = 0
+    target[2, 1:] = 0
+    ours_in = base.clone().requires_grad_(True)
+    ref_in = base.clone().requires_grad_(True)
+    loss, nll = label_smoothed_nll(ours_in, target, eps, pad_id=0)
+    ref_loss, ref_nll = _reference(ref_in, target, eps, 0)
+    (loss * 0.7).backward()
+    (ref_loss * 0.7).backward()
+    assert torch.allclose(loss.double(), ref_loss, rtol=1e-6)
+    assert torch.allclose(nll.double(), ref_nll, rtol=1e-6)
+    assert torch.allclose(ours_in.grad, ref_in.grad, atol=1e-6)
+    assert ours_in.grad[2, 1:].abs().sum() == 0
+
+
+def test_gradcheck_on_rows():
+    logits = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    target = torch.tensor([1, 5, 0, 3])
+    assert torch.autograd.gradcheck(
+        lambda x: smoothed_cross_entropy(x, target, 0.1)[0], (logits,))
+
+
+def test_bf16_gradient_has_logits_dtype():
+    logits = torch.randn(6, 9).bfloat16().requires_grad_(True)
+    loss, _ = smoothed_cross_entropy(logits, torch.arange(6), 0.1)
+    loss.backward()
+    assert logits.grad.dtype == torch.bfloat16 and torch.isfinite(logits.grad.float()).all()
+
+
+def test_target_positions_pick_real_tokens_of_right_padded_rows():
+    lengths = np.array([3, 1, 4])
+    rows = target_positions(lengths, 4)
+    assert rows.tolist() == [0, 1, 2, 4, 8, 9, 10, 11]
+    assert target_positions(np.array([4, 4]), 4) is None
+    tgt = torch.tensor([[5, 6, 3, 0], [3, 0, 0, 0], [7, 8, 9, 3]])
+    assert tgt.reshape(-1)[torch.from_numpy(rows)].ne(0).all()
+    assert int(tgt.ne(0).sum()) == rows.size
+
+
+def test_projecting_only_real_targets_gives_the_full_loss_and_gradients():
+    """The loop's path (model(select=...) + fused loss on real rows) equals the plain one
+    (all positions projected, log_softmax reference ignoring PAD): loss and every grad."""
+    from nmt.config import model_preset
+    from nmt.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(model_preset("tiny", vocab_size=50, dropout=0.0)).double()
+    lengths = np.array([5, 2, 4])
+    src = torch.randint(4, 50, (3, 6))
+    src[1, 3:] = 0
+    tgt_in = torch.randint(4, 50, (3, 5))
+    tgt_out = torch.randint(4, 50, (3, 5))
+    for row, n in enumerate(lengths):
+        tgt_in[row, n:] = 0
+        tgt_out[row, n:] = 0
+    select = torch.from_numpy(target_positions(lengths, 5))
+    loss, _ = label_smoothed_nll(model(src, tgt_in, select=select),
+                                 tgt_out.reshape(-1)[select], 0.1, 0)
+    loss.backward()
+    ours = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    ref, _ = _reference(model(src, tgt_in), tgt_out, 0.1, 0)
+    ref.backward()
+    assert torch.allclose(loss.double(), ref)
+    for k, p in model.named_parameters():
+        assert torch.allclose(ours[k], p.grad, atol=1e-10), k

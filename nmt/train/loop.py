@@ -13,6 +13,12 @@ across ranks when distributed) and are read with a single `.tolist()`. The finit
 check (loss and gradient norm) uses those numbers, so a NaN/inf never reaches the weights:
 the optimizer step is skipped (fp16: GradScaler skips it and lowers the scale) and counted.
 `encode()` gets `has_pad` from the host-side lengths, so the model adds no sync either.
+
+Hot path (measured in bench/train_throughput.py): only the non-PAD target positions are
+projected to the vocabulary (indices from the host-side lengths), the smoothed loss is one
+fused autograd function (nmt/train/loss.py), Adam is foreach on CPU (fused on CUDA), and
+on CPU glibc malloc keeps freed pages (nmt/train/host_memory.py). Threads: torch's default
+(one per physical core); torchrun sets OMP_NUM_THREADS=1 per process itself.
 """
 
 from __future__ import annotations
@@ -38,8 +44,9 @@ from nmt.data.dataset import ParallelData, load_vocab
 from nmt.errors import CheckpointError, TrainingAborted, UsageError
 from nmt.model import Transformer
 from nmt.train.distributed import DistEnv, gather_objects, init_distributed, shutdown
+from nmt.train.host_memory import keep_freed_memory
 from nmt.train.log import JsonlLog, ProgressReporter
-from nmt.train.loss import label_smoothed_nll
+from nmt.train.loss import label_smoothed_nll, target_positions
 from nmt.train.precision import autocast
 from nmt.train.schedule import InverseSqrtSchedule, build_optimizer
 from nmt.train.state import (
@@ -126,6 +133,8 @@ class Trainer:
             device == "auto" and torch.cuda.is_available()) else "cpu"
         self.env: DistEnv = init_distributed(dev_type)
         self.device = resolve_device(device, self.env.local_rank)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # big per-step tensors reuse pages instead of re-faulting
         self.vocab = load_vocab(self.data_dir)
         if model_cfg.vocab_size != len(self.vocab):
             model_cfg = dataclasses.replace(model_cfg, vocab_size=len(self.vocab))
@@ -224,6 +233,18 @@ class Trainer:
                 batch.src, batch.tgt_in, batch.tgt_out))
         return batch.to(self.device), bool(lens.min() != lens.max())
 
+    def _real_targets(self, batch: Batch, indices: np.ndarray) -> tuple[torch.Tensor | None,
+                                                                          torch.Tensor]:
+        """(flat indices of the non-PAD target positions or None, their gold ids): the
+        model projects only those rows, so padding costs nothing in the output projection
+        and the loss. Built from host-side lengths: no device sync."""
+        width = batch.tgt_out.size(1)
+        rows = target_positions(self.tgt_cost[indices], width)
+        if rows is None:
+            return None, batch.tgt_out
+        select = torch.from_numpy(rows).to(self.device, non_blocking=True)  # (n_real,)
+        return select, batch.tgt_out.reshape(-1).index_select(0, select)  # (n_real,)
+
     # ----- one update -----
 
     def _train_update(self, micro: list[np.ndarray], all_batches: list[np.ndarray],
@@ -245,10 +266,10 @@ class Trainer:
             last = i == len(micro) - 1
             sync = contextlib.nullcontext() if last or not self.env.active else self.net.no_sync()
             with sync:
+                select, target = self._real_targets(batch, indices)
                 with autocast(self.device, self.cfg.precision):
-                    logits = self.net(batch.src, batch.tgt_in, has_pad=has_pad)
-                    loss, nll = label_smoothed_nll(logits, batch.tgt_out,
-                                                   self.cfg.label_smoothing,
+                    logits = self.net(batch.src, batch.tgt_in, has_pad=has_pad, select=select)
+                    loss, nll = label_smoothed_nll(logits, target, self.cfg.label_smoothing,
                                                    self.model_cfg.pad_id)
                 self.scaler.scale(loss * scale).backward()
             loss_sum += loss.detach()
