@@ -13,8 +13,9 @@ from typing import Any, Literal
 
 from nmt.errors import UsageError
 
-Precision = Literal["fp32", "bf16", "fp16"]
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+Precision = Literal["fp32", "bf16", "fp16", "auto"]
+# auto: bf16 where the hardware computes it natively, fp16 on older GPUs, else fp32.
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "auto")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import torch
 from nmt.checkpoint import load_model
 from nmt.config import PRECISIONS, DecodeConfig
 from nmt.errors import CheckpointError, DataError, UsageError
+from nmt.precision import resolve_precision
 from nmt.search import (
     EnsembleStepDecoder,
     Hypothesis,
@@ -98,6 +99,7 @@ class Translator:
             raise UsageError(f"unknown precision {precision!r}; choose one of: "
                              f"{', '.join(PRECISIONS)}")
         dev = resolve_device(device)
+        precision = resolve_precision(precision, dev)  # auto -> bf16 / fp16 / fp32
         models, vocab = [], None
         for path in paths:
             model, model_vocab, _ = load_model(Path(path), dev)

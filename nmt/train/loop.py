@@ -43,11 +43,11 @@ from nmt.data.batching import Batch, batch_by_tokens, collate, epoch_order, shar
 from nmt.data.dataset import ParallelData, load_vocab
 from nmt.errors import CheckpointError, TrainingAborted, UsageError
 from nmt.model import Transformer
+from nmt.precision import autocast, resolve_precision
 from nmt.train.distributed import DistEnv, gather_objects, init_distributed, shutdown
 from nmt.train.host_memory import keep_freed_memory
 from nmt.train.log import JsonlLog, ProgressReporter
 from nmt.train.loss import label_smoothed_nll, target_positions
-from nmt.train.precision import autocast
 from nmt.train.schedule import InverseSqrtSchedule, build_optimizer
 from nmt.train.state import (
     LAST,
@@ -155,8 +155,10 @@ class Trainer:
         self.optimizer = build_optimizer(self.model.parameters(), train_cfg, self.device)
         self.schedule = InverseSqrtSchedule(self.optimizer, model_cfg.d_model,
                                             train_cfg.warmup, train_cfg.lr_scale)
+        # `auto` becomes bf16/fp16/fp32 for this device (logged at start).
+        self.precision = resolve_precision(train_cfg.precision, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type,
-                                           enabled=train_cfg.precision == "fp16")
+                                           enabled=self.precision == "fp16")
         self.step = 0
         self.data_state = DataState()
         self.elapsed_before = 0.0
@@ -267,7 +269,7 @@ class Trainer:
             sync = contextlib.nullcontext() if last or not self.env.active else self.net.no_sync()
             with sync:
                 select, target = self._real_targets(batch, indices)
-                with autocast(self.device, self.cfg.precision):
+                with autocast(self.device, self.precision):
                     logits = self.net(batch.src, batch.tgt_in, has_pad=has_pad, select=select)
                     loss, nll = label_smoothed_nll(logits, target, self.cfg.label_smoothing,
                                                    self.model_cfg.pad_id)
@@ -288,7 +290,7 @@ class Trainer:
         return (values[0], values[1], values[-1], values[2:-1], tgt_tokens, src_tgt_tokens)
 
     def _apply_update(self, finite: bool) -> None:
-        if self.cfg.precision == "fp16":
+        if self.precision == "fp16":
             self.scaler.step(self.optimizer)  # skips by itself when grads overflowed
             self.scaler.update()
         elif finite:
@@ -331,6 +333,7 @@ class Trainer:
                   f"x update-freq {self.update_freq}"
                   + (f" (derived from --batch-tokens {cfg.batch_tokens})"
                      if cfg.batch_tokens else "")
+                  + f"; precision {self.precision} on {self.device.type}"
                   + (f"; resuming from update {self.step}" if self.step else ""))
         if self.valid_data is None:
             self._say("no binarized valid split: validation is skipped")

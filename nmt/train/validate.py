@@ -15,9 +15,9 @@ import torch
 from nmt.config import TrainConfig
 from nmt.data.batching import batch_by_tokens, collate
 from nmt.data.dataset import ParallelData
+from nmt.precision import autocast, resolve_precision
 from nmt.train.distributed import DistEnv
 from nmt.train.loss import label_smoothed_nll
-from nmt.train.precision import autocast
 from nmt.vocab import Vocab
 
 
@@ -37,7 +37,7 @@ def validate(model: torch.nn.Module, data: ParallelData, vocab: Vocab, cfg: Trai
     for batch_ids in batches[env.rank::env.world_size]:
         batch = collate([data.src[i] for i in batch_ids], [data.tgt[i] for i in batch_ids])
         batch = batch.to(device)
-        with autocast(device, cfg.precision):
+        with autocast(device, resolve_precision(cfg.precision, device)):
             logits = model(batch.src, batch.tgt_in)
             loss, nll = label_smoothed_nll(logits, batch.tgt_out, cfg.label_smoothing,
                                            model.cfg.pad_id)
@@ -70,7 +70,7 @@ def greedy_bleu(model: torch.nn.Module, data: ParallelData, vocab: Vocab, cfg: T
                               max(cfg.max_tokens, 1), 10 ** 9).batches
     for batch_ids in batches:
         batch = collate([data.src[i] for i in batch_ids], [data.tgt[i] for i in batch_ids])
-        with autocast(device, cfg.precision):
+        with autocast(device, resolve_precision(cfg.precision, device)):
             out = greedy_search(model, batch.src.to(device), max_len_a=1.0, max_len_b=50)
         for i, text in zip(batch_ids.tolist(), vocab.decode(out), strict=True):
             hyps[i] = text
