@@ -4,6 +4,8 @@
 #   make demo MINUTES=5          a shorter training budget
 #   make demo MIRROR=            force the real download instead of ../shared/data/multi30k
 
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
 PYTHON ?= python3
 VENV ?= .venv
 MINUTES ?= 15
@@ -28,7 +30,7 @@ demo: install
 	$(NMT) train $(DATA) -o $(RUN) --max-minutes $(MINUTES)
 	$(NMT) average $(RUN) --last 5 -o $(RUN)/average.pt
 	$(NMT) translate -m $(RUN)/average.pt -i $(DATA)/test.src -o $(RUN)/test.hyp
-	$(NMT) score --ref $(DATA)/test.tgt -i $(RUN)/test.hyp --metrics bleu chrf \
+	$(NMT) score --ref $(DATA)/test.tgt -i $(RUN)/test.hyp --metrics bleu,chrf \
 		| tee $(RUN)/test.score
 	@echo "model:       $(RUN)/average.pt (checkpoints and train_log.jsonl in $(RUN)/)"
 	@echo "translation: $(RUN)/test.hyp  (source $(DATA)/test.src, reference $(DATA)/test.tgt)"
