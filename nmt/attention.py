@@ -79,7 +79,7 @@ class SelfAttention(nn.Module):
         return self.merge(context)
 
     def step(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, position: int,
-             slot_mask: Tensor | None) -> Tensor:
+             slot_mask: Tensor | None, live: Tensor | None = None) -> Tensor:
         """One incremental decoder step: `x` (n, 1, d_model) is the newest position of
         n = groups * g rows, row r being slot r % g of group r // g (a sentence's beam).
 
@@ -90,19 +90,29 @@ class SelfAttention(nn.Module):
         updates the ancestry), so each query attends over all g slots of positions
         0..position and `slot_mask` (groups, 1, g, (position+1) * g), True where the slot
         holds the row's own ancestor, keeps exactly its own history; None when g == 1.
-        Returns (n, 1, d_model).
+
+        With `live` (m,) row indices, `x` (m, 1, d_model) holds only those rows: the
+        projections run on m rows, the other rows get zero query/key/value at `position`
+        (their attention output is discarded), so finished sentences can stay in the
+        caches without costing projections. Returns (m or n, 1, d_model).
         """
         groups, _, _, g, _ = cache_k.shape
-        q, k, v = self.project(x)  # (n, heads, 1, d)
+        n = groups * g
+        qkv = self.qkv(x)  # (m, 1, 3 sizes)
+        if live is not None:  # rows not in `live` get zeros
+            qkv = qkv.new_zeros(n, *qkv.shape[1:]).index_copy_(0, live, qkv)  # (n, 1, ...)
+        q, k, v = qkv.split(self.sizes, dim=-1)  # each (n, 1, heads*d)
         # (groups, heads, g, d): slot s of group b is row b * g + s
-        cache_k[:, :, position] = k.view(groups, g, self.heads, self.d_k).transpose(1, 2)
-        cache_v[:, :, position] = v.view(groups, g, self.heads, self.d_v).transpose(1, 2)
+        cache_k[:, :, position] = k.reshape(groups, g, self.heads, self.d_k).transpose(1, 2)
+        cache_v[:, :, position] = v.reshape(groups, g, self.heads, self.d_v).transpose(1, 2)
         keys = cache_k[:, :, : position + 1].flatten(2, 3)  # (groups, heads, (t+1)*g, d_k)
         values = cache_v[:, :, : position + 1].flatten(2, 3)  # (groups, heads, (t+1)*g, d_v)
-        q = q.view(groups, g, self.heads, self.d_k).transpose(1, 2)  # (groups, heads, g, d_k)
+        q = q.reshape(groups, g, self.heads, self.d_k).transpose(1, 2)  # (groups, heads, g, d_k)
         context = attend_one(q, keys, values, slot_mask)  # (groups, heads, g, d_v)
-        context = context.transpose(1, 2).reshape(x.size(0), 1, -1)  # (n, 1, heads*d_v)
-        return self.out(context)  # (n, 1, d_model)
+        context = context.transpose(1, 2).reshape(n, 1, -1)  # (n, 1, heads*d_v)
+        if live is not None:
+            context = context.index_select(0, live)  # (m, 1, heads*d_v)
+        return self.out(context)  # (m or n, 1, d_model)
 
 
 def attend_one(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> Tensor:
@@ -180,18 +190,25 @@ class CrossAttention(nn.Module):
         return self.out(context), weights
 
     def step(self, x: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
-             need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+             need_weights: bool = False, live: Tensor | None = None, rows: int = 0
+             ) -> tuple[Tensor, Tensor | None]:
         """Incremental decoding: `x` (n, 1, d_model) holds n = groups * g rows, g rows per
         sentence, against per-SENTENCE encoder K (groups, heads, src_len, d_k) and V
         (groups, heads, src_len, d_v); `attn_mask` None or (groups, 1, 1, src_len).
 
         The g queries of a sentence share one matmul against its K/V (beam-fold less
-        memory traffic than per-row copies). Returns (output (n, 1, d_model), weights
-        (n, heads, src_len) when `need_weights`, else None).
+        memory traffic than per-row copies). With `live` (m,) row indices out of `rows` = n,
+        `x` holds only those m rows (the others attend with a zero query and their output
+        is dropped; see SelfAttention.step). Returns (output (m or n, 1, d_model), weights
+        (m or n, heads, src_len) when `need_weights`, else None).
         """
         groups = k.size(0)
-        g = x.size(0) // groups
-        q = self.q(x).view(groups, g, self.heads, self.d_k).transpose(1, 2)  # (b, heads, g, d_k)
+        q = self.q(x)  # (m, 1, heads*d_k)
+        if live is not None:  # rows not in `live` get a zero query
+            q = q.new_zeros(rows, *q.shape[1:]).index_copy_(0, live, q)  # (n, 1, heads*d_k)
+        n = q.size(0)
+        g = n // groups
+        q = q.view(groups, g, self.heads, self.d_k).transpose(1, 2)  # (b, heads, g, d_k)
         weights = None
         if need_weights:
             scores = q @ k.transpose(-1, -2) * self.d_k ** -0.5  # (b, heads, g, src_len)
@@ -199,8 +216,11 @@ class CrossAttention(nn.Module):
                 scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
             probs = scores.float().softmax(dim=-1).to(v.dtype)  # (b, heads, g, src_len)
             context = probs @ v  # (b, heads, g, d_v)
-            weights = probs.transpose(1, 2).reshape(x.size(0), self.heads, -1)  # (n, heads, S)
+            weights = probs.transpose(1, 2).reshape(n, self.heads, -1)  # (n, heads, S)
         else:
             context = attend_one(q, k, v, attn_mask)  # (b, heads, g, d_v)
-        context = context.transpose(1, 2).reshape(x.size(0), 1, -1)  # (n, 1, heads*d_v)
+        context = context.transpose(1, 2).reshape(n, 1, -1)  # (n, 1, heads*d_v)
+        if live is not None:
+            context = context.index_select(0, live)  # (m, 1, heads*d_v)
+            weights = None if weights is None else weights.index_select(0, live)  # (m, h, S)
         return self.out(context), weights

@@ -25,7 +25,8 @@ Imports torch only: no files, no CLI.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +80,10 @@ class DecoderState:
     attention_layer: int = -1
     attention: Tensor | None = None
     consumed: bool = False  # set by reorder_cache: this state's buffers now belong to another
+    # Buffers whose memory the state no longer uses (caches that a shrink or a growth
+    # copied from, or handed in by `reserve_cache`), reused for the next new cache: their
+    # pages are already mapped, fresh large ones would be page-faulted in afresh.
+    free: list[Tensor] = field(default_factory=list)
 
     @property
     def rows(self) -> int:
@@ -194,25 +199,38 @@ class Transformer(nn.Module):
                                                  device=enc.states.device),
                             attention_layer=attention_layer)
 
-    def _empty_caches(self, groups: int, capacity: int, g: int, like: Tensor
-                      ) -> tuple[list[Tensor], list[Tensor]]:
-        """Uninitialised self-attention buffers of every layer, dtype/device of `like`."""
+    def _empty_caches(self, groups: int, capacity: int, g: int, like: Tensor,
+                      free: list[Tensor] | None = None) -> tuple[list[Tensor], list[Tensor]]:
+        """Uninitialised self-attention buffers of every layer, dtype/device of `like`,
+        taken from the `free` buffers where possible."""
         cfg = self.cfg
+        pool = [] if free is None else free
 
         def empty(d: int) -> list[Tensor]:
-            return [like.new_empty(groups, cfg.heads, capacity, g, d)  # (b, heads, cap, g, d)
+            return [_alloc(pool, (groups, cfg.heads, capacity, g, d), like)  # (b, h, cap, g, d)
                     for _ in self.decoder]
 
         return empty(cfg.head_dim_k), empty(cfg.head_dim_v)
 
     def decode_step(self, tokens: Tensor, state: DecoderState,
-                    need_attention: bool = False) -> Tensor:
+                    need_attention: bool = False, live: Tensor | None = None,
+                    out: Tensor | None = None) -> Tensor:
         """Feed the newest token of each row, `tokens` (n,), at position `state.step`;
         update `state` in place and return next-token logits (n, vocab), computed for
         this one position only.
 
+        With `live` (m,) row indices, `tokens` (m,) are the newest tokens of those rows
+        only and the logits are (m, vocab): the other rows (finished sentences that a
+        search keeps in the state until it compacts it, saving a cache copy per finished
+        sentence) cost no projection, feed-forward or vocabulary matmul. They get zero
+        keys/values at this position, so leave a row out only once it is done for good.
+
+        With `out` (at least n or m rows, vocab), the logits are written into its first
+        rows and that view is returned: a search reusing one buffer avoids a fresh
+        (rows, vocab) allocation per step (large enough to be page-faulted in each time).
+
         With `need_attention`, the encoder-decoder attention of layer
-        `state.attention_layer` is stored in `state.attention` (n, heads, src_len).
+        `state.attention_layer` is stored in `state.attention` (n or m, heads, src_len).
         """
         _check_live(state)
         position = state.step
@@ -232,13 +250,37 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.decoder):
             x, weights = layer.step(x, state.self_k[i], state.self_v[i], position, slot_mask,
                                     state.cross_k[i], state.cross_v[i], state.cross_mask,
-                                    need_weights=i == want)
+                                    need_weights=i == want, live=live)
             if weights is not None:
                 state.attention = weights  # (n, heads, src_len)
         if self.dec_norm is not None:
             x = self.dec_norm(x)
         state.step += 1
-        return self.logits(x[:, 0])  # (n, vocab)
+        if out is None:
+            return self.logits(x[:, 0])  # (n or m, vocab)
+        features = x[:, 0]  # (n or m, d_model)
+        return torch.mm(features, self.output_weight.t(), out=out[: features.size(0)])
+
+    def reserve_cache(self, state: DecoderState, positions: int,
+                      buffers: list[Tensor] | None = None) -> None:
+        """Make room in `state` for `positions` target tokens in all (capped by
+        max_positions), so a search that knows its length limit grows the caches once,
+        before the first step, instead of copying them at every doubling. Untouched
+        capacity costs address space only. `buffers` (from `release_cache` of a finished
+        state) lend their memory to this state's caches."""
+        _check_live(state)
+        state.free = _release(state.free, buffers or [])
+        capacity = min(positions, self.cfg.max_positions)
+        if capacity > state.ancestry.size(2):
+            _grow(state, capacity)
+
+    def release_cache(self, state: DecoderState) -> list[Tensor]:
+        """End incremental decoding on `state`: the memory of its self-attention caches,
+        as buffers for `reserve_cache` of a later state (a search over many batches thus
+        maps its cache memory once). `state` is consumed."""
+        _check_live(state)
+        state.consumed = True
+        return _release(state.free, state.self_k + state.self_v)
 
     def reorder_cache(self, state: DecoderState, new_order: Tensor) -> DecoderState:
         """A state whose row j is row new_order[j] of `state` (beam reordering, B -> B*beam
@@ -276,23 +318,27 @@ class Transformer(nn.Module):
             ancestry = state.ancestry.view(-1, capacity).index_select(0, new_order)
             ancestry = ancestry.view(-1, g, capacity)  # (groups', g, capacity)
             self_k, self_v = state.self_k, state.self_v
-            if not same_groups:
-                self_k = [_take_groups(c, src, used) for c in self_k]
-                self_v = [_take_groups(c, src, used) for c in self_v]
+            free = state.free
+            if not same_groups:  # copy into free buffers; the old ones become free
+                self_k = [_take_groups(c, src, used, free) for c in self_k]
+                self_v = [_take_groups(c, src, used, free) for c in self_v]
+                free = _release(free, state.self_k + state.self_v)
         else:  # new layout: every row's own history gathered into its own slot
+            free = state.free
             self_k, self_v = self._empty_caches(src.numel(), capacity, new_g,
-                                                state.cross_k[0])
+                                                state.cross_k[0], free)
             if used:
                 slot_of = state.ancestry.view(-1, capacity)[:, :used].index_select(0, new_order)
                 for old, new in zip(state.self_k + state.self_v, self_k + self_v, strict=True):
                     _gather_history(old, new, group_of, slot_of, new_g)
+            free = _release(free, state.self_k + state.self_v)
             ancestry = torch.arange(new_g, device=new_order.device)  # (g',)
             ancestry = ancestry.view(1, new_g, 1).expand(src.numel(), new_g, capacity).clone()
         attention = (None if state.attention is None
                      else state.attention.index_select(0, new_order))
         return DecoderState(cross_k=cross_k, cross_v=cross_v, padding_mask=padding_mask,
                             cross_mask=cross_mask, self_k=self_k, self_v=self_v,
-                            ancestry=ancestry, group_size=new_g, step=used,
+                            ancestry=ancestry, group_size=new_g, step=used, free=free,
                             attention_layer=state.attention_layer, attention=attention)
 
 
@@ -310,13 +356,39 @@ def _group_size(group_of: Tensor, g: int, rows: int, n_new: int, groups: int) ->
     return candidate if bool((blocks == blocks[:, :1]).all()) else 1
 
 
-def _take_groups(cache: Tensor, src: Tensor, used: int) -> Tensor:
+def _take_groups(cache: Tensor, src: Tensor, used: int, free: list[Tensor]) -> Tensor:
     """Groups `src` of a (groups, heads, capacity, g, d) cache, first `used` positions
-    copied (the rest is never read)."""
-    new = cache.new_empty(src.numel(), *cache.shape[1:])  # (groups', heads, cap, g, d)
+    copied (the rest is never read), into a buffer from `free` when one is large enough."""
+    new = _alloc(free, (src.numel(), *cache.shape[1:]), cache)  # (groups', heads, cap, g, d)
     if used:
         torch.index_select(cache[:, :, :used], 0, src, out=new[:, :, :used])  # no temporary
     return new
+
+
+def _alloc(free: list[Tensor], shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """An uninitialised tensor of `shape`, dtype/device of `like`, carved from the smallest
+    large-enough buffer of `free` (removed from the list), else newly allocated."""
+    numel = math.prod(shape)
+    fits = [b for b in free if b.numel() >= numel and b.dtype == like.dtype
+            and b.device == like.device]
+    if not fits:
+        return like.new_empty(shape)
+    buffer = min(fits, key=Tensor.numel)
+    del free[next(i for i, b in enumerate(free) if b is buffer)]  # by identity, not ==
+    return buffer[:numel].view(shape)
+
+
+def _release(free: list[Tensor], tensors: list[Tensor]) -> list[Tensor]:
+    """`free` plus the whole flat storage of each of `tensors` (once each)."""
+    out = list(free)
+    seen = {b.data_ptr() for b in out}
+    for tensor in tensors:
+        base = tensor if tensor._base is None else tensor._base
+        flat = base.view(-1)  # (numel,)
+        if flat.data_ptr() not in seen:
+            seen.add(flat.data_ptr())
+            out.append(flat)
+    return out
 
 
 def _gather_history(old: Tensor, new: Tensor, group_of: Tensor, slot_of: Tensor,
@@ -345,12 +417,14 @@ def _grow(state: DecoderState, capacity: int) -> None:
     used = state.step
 
     def grown(old: Tensor) -> Tensor:
-        new = old.new_empty(*old.shape[:2], capacity, *old.shape[3:])  # (b, h, cap, g, d)
+        new = _alloc(state.free, (*old.shape[:2], capacity, *old.shape[3:]), old)  # (b,h,cap,g,d)
         new[:, :, :used] = old[:, :, :used]
         return new
 
+    old = state.self_k + state.self_v
     state.self_k = [grown(k) for k in state.self_k]
     state.self_v = [grown(v) for v in state.self_v]
+    state.free = _release(state.free, old)
     ancestry = state.ancestry.new_zeros(*state.ancestry.shape[:2], capacity)  # (b, g, cap)
     ancestry[:, :, :used] = state.ancestry[:, :, :used]
     state.ancestry = ancestry

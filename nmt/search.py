@@ -19,6 +19,7 @@ Conventions (documented in `nmt translate --help`):
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -29,6 +30,8 @@ from torch import Tensor
 from nmt.vocab import BOS_ID, EOS_ID, PAD_ID
 
 NEG_INF = float("-inf")
+# beam_search compacts the decoder once this fraction of its sentences has finished.
+COMPACT_AT = 0.25
 
 
 @dataclass(frozen=True)
@@ -52,17 +55,68 @@ class StepDecoder(Protocol):
         ...
 
 
+# Per model: (key/value cache buffers, logits buffer) left by its last ModelStepDecoder.
+_POOLS: weakref.WeakKeyDictionary[Any, tuple[list[Tensor], Tensor | None]] = (
+    weakref.WeakKeyDictionary())
+
+
 class ModelStepDecoder:
-    """StepDecoder over a `Transformer`: encodes once, then decodes one token at a time."""
+    """StepDecoder over a `Transformer`: encodes once, then decodes one token at a time.
+
+    The log-probabilities a step returns live in a buffer that the next step overwrites
+    (one (rows, V) allocation per search instead of two per step, each big enough to be
+    page-faulted in afresh): use them before the next `step`, or copy them. On CPU, when
+    the decoder is garbage-collected its logits buffer and key/value cache memory go to a
+    per-model pool that the next ModelStepDecoder of the same model takes over (a search
+    per batch thus maps that memory once; two live decoders never share it).
+    """
 
     def __init__(self, model: Any, src: Tensor) -> None:
         self.model = model
         self.state = model.init_state(model.encode(src))
+        self._pool = _POOLS.pop(model, None) if src.device.type == "cpu" else None
+        self._buffer: Tensor | None = None if self._pool is None else self._pool[1]
 
     def step(self, tokens: Tensor) -> Tensor:
         """Next-token log-probabilities in float32 whatever the model's precision."""
-        logits = self.model.decode_step(tokens, self.state)  # (N, V)
-        return torch.log_softmax(logits.float(), dim=-1)
+        return self._log_softmax(self.model.decode_step(tokens, self.state,
+                                                        out=self._out(tokens.numel())))
+
+    def step_rows(self, tokens: Tensor, rows: Tensor, n_rows: int) -> Tensor:
+        """Like `step` for rows `rows` (m,) of the `n_rows` only, `tokens` (m,) -> log-probs
+        (m, V); the other rows are finished for good (see `Transformer.decode_step`)."""
+        return self._log_softmax(self.model.decode_step(tokens, self.state, live=rows,
+                                                        out=self._out(tokens.numel())))
+
+    def reserve(self, positions: int) -> None:
+        """Preallocate the key/value caches for `positions` target tokens (in pooled
+        memory when a previous decoder left some)."""
+        buffers, self._pool = (None if self._pool is None else self._pool[0]), None
+        self.model.reserve_cache(self.state, positions, buffers)
+
+    def __del__(self) -> None:
+        """Leave the cache and logits memory to the model's next decoder (CPU only)."""
+        state = getattr(self, "state", None)
+        if state is None or state.consumed or state.padding_mask.device.type != "cpu":
+            return
+        buffers = self.model.release_cache(state)
+        if self._pool is not None:  # never reserved: keep what it was lent
+            buffers = buffers + self._pool[0]
+        _POOLS[self.model] = (buffers, self._buffer)
+
+    def _out(self, rows: int) -> Tensor:
+        """The reused logits buffer, grown to at least `rows` rows (model dtype)."""
+        weight = self.model.output_weight
+        if (self._buffer is None or self._buffer.size(0) < rows
+                or self._buffer.dtype != weight.dtype):
+            self._buffer = weight.new_empty(rows, weight.size(0))  # (rows, V)
+        return self._buffer
+
+    @staticmethod
+    def _log_softmax(logits: Tensor) -> Tensor:
+        """log_softmax over the vocabulary in float32, in place when already float32."""
+        logits = logits.float()  # (N, V); a copy only for bf16/fp16 models
+        return torch.log_softmax(logits, dim=-1, out=logits)
 
     def reorder(self, new_order: Tensor) -> None:
         """Select/duplicate rows of the key/value cache and the encoder mask."""
@@ -88,10 +142,43 @@ class EnsembleStepDecoder:
         stacked = torch.stack([d.step(tokens) for d in self.decoders])  # (M, N, V)
         return torch.logsumexp(stacked, dim=0) - math.log(len(self.decoders))
 
+    def step_rows(self, tokens: Tensor, rows: Tensor, n_rows: int) -> Tensor:
+        """`step` for rows `rows` (m,) only, `tokens` (m,) -> (m, V) (see `step_rows`)."""
+        if len(self.decoders) == 1:
+            return step_rows(self.decoders[0], tokens, rows, n_rows)
+        stacked = torch.stack([step_rows(d, tokens, rows, n_rows)
+                               for d in self.decoders])  # (M, m, V)
+        return torch.logsumexp(stacked, dim=0) - math.log(len(self.decoders))
+
     def reorder(self, new_order: Tensor) -> None:
         """Reorder every member the same way."""
         for decoder in self.decoders:
             decoder.reorder(new_order)
+
+
+def step_rows(decoder: StepDecoder, tokens: Tensor, rows: Tensor, n_rows: int) -> Tensor:
+    """Log-probs (m, V) of rows `rows` (m,) of a decoder holding `n_rows` rows, fed
+    `tokens` (m,); its other rows are finished for good and their output unused.
+
+    Uses the decoder's own `step_rows` when it has one (the model skips those rows'
+    matmuls); any other StepDecoder steps all its rows (the others fed EOS) and the
+    wanted ones are selected.
+    """
+    own = getattr(decoder, "step_rows", None)
+    if own is not None:
+        return own(tokens, rows, n_rows)
+    full = tokens.new_full((n_rows,), EOS_ID).index_copy_(0, rows, tokens)  # (n_rows,)
+    return decoder.step(full).index_select(0, rows)  # (m, V)
+
+
+def _reserve(decoder: StepDecoder, positions: int) -> None:
+    """Tell a decoder (or an ensemble's members) that at most `positions` tokens will be
+    fed, when it can use that (ModelStepDecoder preallocates its caches)."""
+    members = decoder.decoders if isinstance(decoder, EnsembleStepDecoder) else [decoder]
+    for member in members:
+        reserve = getattr(member, "reserve", None)
+        if reserve is not None:
+            reserve(positions)
 
 
 def length_penalty(length: Tensor | float, alpha: float) -> Tensor:
@@ -141,6 +228,7 @@ def beam_search(decoder: StepDecoder, max_lens: Tensor, beam: int = 4, alpha: fl
     if n_sent == 0:
         return []
     width = int(max_lens.max().item()) + 2  # BOS + pieces + EOS
+    _reserve(decoder, width)
     # The decoder keeps one row per sentence for step 0 (all beams hold the same BOS
     # prefix, so it is computed once) and is expanded to B * beam by step 0's reorder.
 
@@ -154,14 +242,24 @@ def beam_search(decoder: StepDecoder, max_lens: Tensor, beam: int = 4, alpha: fl
     active = torch.arange(n_sent, device=device)  # original index of each current row
     lens = max_lens.clone()
     lens_host = set(max_lens.tolist())  # budgets of the rows still in the batch
+    # Finished sentences stay in the decoder (as dead groups of `beam` rows it skips) until
+    # a fraction COMPACT_AT of its groups is dead: then one compaction copies the caches,
+    # instead of one copy of every cache each step some sentence finishes.
+    n_groups = n_sent  # sentence groups the decoder holds, dead ones included
+    group = None  # (rows,) decoder group of each current row; None: row i is group i
+    slots = torch.arange(beam, device=device)  # (beam,)
 
     for t in range(width - 1):
         n_rows = active.numel()
         if t == 0:
             log_probs = decoder.step(tokens[:, 0, 0])  # (rows, V): one row per sentence
             log_probs = log_probs.repeat_interleave(beam, dim=0)  # (rows * beam, V)
-        else:
+        elif group is None:
             log_probs = decoder.step(tokens[:, :, t].reshape(-1))  # (rows * beam, V)
+        else:
+            live = (group.unsqueeze(1) * beam + slots).view(-1)  # (rows * beam,)
+            log_probs = step_rows(decoder, tokens[:, :, t].reshape(-1), live,
+                                  n_groups * beam)  # (rows * beam, V)
         vocab = log_probs.size(-1)
         at_max = (lens == t).repeat_interleave(beam) if t in lens_host else None  # (rows*beam,)
         log_probs = _restrict(log_probs, at_max).view(n_rows, beam, vocab)
@@ -169,7 +267,7 @@ def beam_search(decoder: StepDecoder, max_lens: Tensor, beam: int = 4, alpha: fl
         # each row (a row's cumulative score shifts all its candidates equally), so rank
         # per row first and add the beam scores to those few only: no (rows, beam*V) pass.
         k = min(2 * beam, vocab)
-        row_top, row_tok = log_probs.topk(k, dim=-1)  # (rows, beam, k)
+        row_top, row_tok = _row_topk(log_probs, k)  # (rows, beam, k)
         cand = (scores.unsqueeze(-1) + row_top).view(n_rows, beam * k)  # (rows, beam*k)
         top_scores, top_idx = cand.topk(min(2 * beam, beam * k), dim=1)  # (rows, 2beam)
         src_beam = torch.div(top_idx, k, rounding_mode="floor")
@@ -189,11 +287,15 @@ def beam_search(decoder: StepDecoder, max_lens: Tensor, beam: int = 4, alpha: fl
         keep_beam = src_beam.gather(1, pick)  # (rows, beam)
         tokens = _gather_rows(tokens, keep_beam)
         tokens[:, :, t + 1] = top_tok.gather(1, pick)
-        row_base = torch.arange(n_rows, device=device).unsqueeze(1) * beam  # (rows, 1)
         if t == 0:  # expand B -> B * beam: every beam's state is the BOS one
             decoder.reorder(torch.arange(n_rows, device=device).repeat_interleave(beam))
-        else:
+        elif group is None:
+            row_base = torch.arange(n_rows, device=device).unsqueeze(1) * beam  # (rows, 1)
             decoder.reorder((row_base + keep_beam).view(-1))  # (rows * beam,)
+        else:  # dead groups keep their rows in place
+            order = torch.arange(n_groups * beam, device=device)  # (groups * beam,)
+            order[live] = (group.unsqueeze(1) * beam + keep_beam).view(-1)
+            decoder.reorder(order)
         alive_ok = torch.isfinite(scores[:, :1])  # (rows, 1)
         fallback = fallback.where(~alive_ok, tokens[:, :1], scores[:, :1], scores[:, :1])
 
@@ -208,11 +310,41 @@ def beam_search(decoder: StepDecoder, max_lens: Tensor, beam: int = 4, alpha: fl
             active, lens, scores = active[keep], lens[keep], scores[keep]
             lens_host = set(lens.tolist())
             tokens, fin, fallback = tokens[keep], fin.select(keep), fallback.select(keep)
-            decoder.reorder((keep.unsqueeze(1) * beam + torch.arange(beam, device=device))
-                            .view(-1))  # (kept * beam,)
+            group = keep if group is None else group[keep]  # (kept,)
+            if keep.numel() <= (1.0 - COMPACT_AT) * n_groups:  # compact: drop dead groups
+                decoder.reorder((group.unsqueeze(1) * beam + slots).view(-1))  # (kept * beam,)
+                n_groups, group = keep.numel(), None
     if active.numel():
         out.store(active, fin, fallback)
     return out.to_hypotheses(alpha)
+
+
+TOPK_CHUNK = 64  # _row_topk's block size
+
+
+def _row_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """`x.topk(k, dim=-1)` for a wide last dim, in two cheap passes instead of one heap pass.
+
+    Every one of the top k entries lies in a block (of TOPK_CHUNK entries) whose maximum is
+    at least the k-th largest value, and at most k blocks have such a maximum (each is
+    itself one of the top k), so the top k of the k best blocks by maximum (plus the tail
+    that fills no block) are the top k of the row. Values are exact; only the order of
+    exactly tied entries may differ from torch.topk.
+    """
+    vocab = x.size(-1)
+    blocks = vocab // TOPK_CHUNK
+    if blocks < 4 * k:  # narrow rows: the plain heap is as cheap
+        return x.topk(k, dim=-1)
+    whole = blocks * TOPK_CHUNK
+    block_max = x[..., :whole].unflatten(-1, (blocks, TOPK_CHUNK)).amax(dim=-1)  # (..., blocks)
+    best = block_max.topk(k, dim=-1).indices  # (..., k)
+    offsets = torch.arange(TOPK_CHUNK, device=x.device)
+    index = (best.unsqueeze(-1) * TOPK_CHUNK + offsets).flatten(-2)  # (..., k * chunk)
+    if whole < vocab:
+        tail = torch.arange(whole, vocab, device=x.device).expand(*x.shape[:-1], -1)
+        index = torch.cat([index, tail], dim=-1)  # (..., k * chunk + tail)
+    values, pos = x.gather(-1, index).topk(k, dim=-1)  # (..., k)
+    return values, index.gather(-1, pos)
 
 
 def _gather_rows(tokens: Tensor, beam_idx: Tensor) -> Tensor:

@@ -380,3 +380,94 @@ def test_beam_cache_is_grouped_per_sentence_and_reorders_without_copies() -> Non
         assert [h.tokens for h in got] == [h.tokens for h in want]
         for x, y in zip(got, want, strict=True):
             assert x.score == pytest.approx(y.score, abs=1e-4)
+
+
+@torch.no_grad()
+def test_model_step_rows_equals_full_step_on_those_rows() -> None:
+    """Leaving finished rows out of a step (`step_rows`) changes nothing for the others."""
+    from nmt.search import ModelStepDecoder
+
+    model = tiny_model(seed=7)
+    src = padded(SOURCES)
+    beam = 3
+    full, part = ModelStepDecoder(model, src), ModelStepDecoder(model, src)
+    expand = torch.arange(len(SOURCES)).repeat_interleave(beam)
+    live = torch.tensor([0, 1, 2, 6, 7, 8])  # sentences 0 and 2; 1 and 3 finished
+    gen = torch.Generator().manual_seed(0)
+    for t in range(6):
+        tokens = torch.randint(4, 40, (len(SOURCES) * (1 if t == 0 else beam),), generator=gen)
+        want = full.step(tokens).clone()  # (rows, V)
+        if t <= 1:
+            got = part.step(tokens)
+        else:
+            got = part.step_rows(tokens[live], live, len(SOURCES) * beam)  # (6, V)
+            want = want[live]
+        assert torch.allclose(got, want, atol=1e-5)
+        order = expand if t == 0 else torch.randperm(beam, generator=gen).repeat(
+            len(SOURCES)) + torch.arange(len(SOURCES)).repeat_interleave(beam) * beam
+        full.reorder(order)
+        part.reorder(order)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("alpha", [0.0, 0.6])
+def test_lazy_compaction_equals_eager(alpha: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keeping finished sentences in the decoder until compaction is exact: compacting at
+    every finish, at 25 % and never give identical hypotheses and scores."""
+    import nmt.search
+    from nmt.search import ModelStepDecoder
+
+    model = tiny_model(seed=11)
+    sources = SOURCES + [[7, 7, 8], [30, 31], [12, 13, 14, 15, 16]]
+    src = padded(sources)
+    max_lens = max_output_lengths(src, 1.0, 4, cap=63)
+    results = []
+    for compact_at in (0.0, 0.25, 1.0):
+        monkeypatch.setattr(nmt.search, "COMPACT_AT", compact_at)
+        hyps = beam_search(ModelStepDecoder(model, src), max_lens, beam=4, alpha=alpha,
+                           nbest=2)
+        results.append([[(h.tokens, h.score, h.log_prob) for h in sent] for sent in hyps])
+    assert results[0] == results[1] == results[2]
+    assert len({tuple(r[0][0]) for r in results[0]}) > 1
+
+
+@torch.no_grad()
+def test_decoder_memory_is_pooled_across_batches() -> None:
+    """A finished ModelStepDecoder leaves its cache memory to the model's next one, which
+    decodes exactly as a fresh one would."""
+    from nmt.search import _POOLS, ModelStepDecoder
+
+    model = tiny_model(seed=2)
+    src = padded(SOURCES)
+    max_lens = max_output_lengths(src, 1.0, 4, cap=63)
+    first = beam_search(ModelStepDecoder(model, src), max_lens, beam=4, alpha=0.6)
+    assert model in _POOLS  # the decoder was garbage-collected and left its buffers
+    pooled = {b.data_ptr() for b in _POOLS[model][0]}
+    dec = ModelStepDecoder(model, src)
+    assert model not in _POOLS  # taken exclusively: a second live decoder allocates anew
+    other = ModelStepDecoder(model, src)
+    assert other._pool is None
+    second = beam_search(dec, max_lens, beam=4, alpha=0.6)
+    cache = dec.state.self_k[0]
+    assert (cache if cache._base is None else cache._base).data_ptr() in pooled
+    assert [[(h.tokens, h.score) for h in s] for s in first] == \
+        [[(h.tokens, h.score) for h in s] for s in second]
+
+
+@pytest.mark.parametrize("vocab", [40, 8000, 8037])
+def test_row_topk_equals_topk(vocab: int) -> None:
+    """The blockwise top-k used by beam search returns torch.topk's values and indices
+    (distinct values), also with -inf entries and a vocabulary that fills no whole block."""
+    from nmt.search import _row_topk
+
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.log_softmax(torch.randn(6, 3, vocab, generator=gen) * 3, dim=-1)
+    x[:, :, [PAD_ID, BOS_ID]] = -math.inf
+    x[0, 0, 4:] = -math.inf  # only UNK and EOS finite: ranked first, then -inf fillers
+    got, want = _row_topk(x, 8), x.topk(8, dim=-1)
+    assert torch.equal(got[0], want[0])
+    finite = torch.isfinite(want[0])
+    assert torch.equal(got[1][finite], want[1][finite])
+    if vocab > 40:
+        x[1, 1, -1] = 5.0  # the maximum in the tail / last block is found
+        assert _row_topk(x, 8)[1][1, 1, 0] == vocab - 1
