@@ -115,6 +115,18 @@ class SelfAttention(nn.Module):
         return self.out(context)  # (m or n, 1, d_model)
 
 
+def attention_weights(q: Tensor, k: Tensor, attn_mask: Tensor | None, dtype: torch.dtype
+                      ) -> Tensor:
+    """softmax(q k^T / sqrt(d_k)) written out, for when the weights themselves are wanted
+    (attention plots): q (b, heads, t, d_k), k (b, heads, s, d_k), `attn_mask` None or
+    boolean broadcastable to (b, heads, t, s), True = may attend. Softmax in float32,
+    returned as `dtype`: (b, heads, t, s)."""
+    scores = q @ k.transpose(-1, -2) * q.size(-1) ** -0.5  # (b, heads, t, s)
+    if attn_mask is not None:
+        scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
+    return scores.float().softmax(dim=-1).to(dtype)
+
+
 def attend_one(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> Tensor:
     """Attention at inference of a few queries per batch entry: q (b, heads, g, d_k)
     against k (b, heads, len, d_k), v (b, heads, len, d_v); `attn_mask` None or boolean
@@ -176,10 +188,7 @@ class CrossAttention(nn.Module):
         drop = self.dropout if self.training else 0.0
         weights = None
         if need_weights:
-            scores = q @ k.transpose(-1, -2) * self.d_k ** -0.5  # (batch, heads, tgt, src)
-            if attn_mask is not None:
-                scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
-            weights = scores.float().softmax(dim=-1).to(v.dtype)  # (batch, heads, tgt, src)
+            weights = attention_weights(q, k, attn_mask, v.dtype)  # (batch, heads, tgt, src)
             context = F.dropout(weights, drop, self.training) @ v  # (batch, heads, tgt, d_v)
         elif length == 1 and not self.training:  # incremental decoding
             context = attend_one(q, k, v, attn_mask)  # (batch, heads, 1, d_v)
@@ -211,10 +220,7 @@ class CrossAttention(nn.Module):
         q = q.view(groups, g, self.heads, self.d_k).transpose(1, 2)  # (b, heads, g, d_k)
         weights = None
         if need_weights:
-            scores = q @ k.transpose(-1, -2) * self.d_k ** -0.5  # (b, heads, g, src_len)
-            if attn_mask is not None:
-                scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
-            probs = scores.float().softmax(dim=-1).to(v.dtype)  # (b, heads, g, src_len)
+            probs = attention_weights(q, k, attn_mask, v.dtype)  # (b, heads, g, src_len)
             context = probs @ v  # (b, heads, g, d_v)
             weights = probs.transpose(1, 2).reshape(n, self.heads, -1)  # (n, heads, S)
         else:

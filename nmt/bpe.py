@@ -20,7 +20,7 @@ from typing import Any
 from nmt.data.binarize import CHUNK_LINES, binarize_file, count_lines, side_paths, token_dtype
 from nmt.data.dataset import BIN_DIR, META_FILE, SPM_MODEL
 from nmt.errors import DataError, UsageError
-from nmt.fileio import atomic_write_bytes
+from nmt.fileio import atomic_write_bytes, sha256_file
 from nmt.vocab import NORMALIZATION, Vocab, train_vocab
 
 META_FORMAT = "nmt-bin-v1"
@@ -130,7 +130,7 @@ def _ensure_vocab(data_dir: Path, cfg: BpeConfig, vocab_size: int, threads: int,
                 "model_type": "bpe", "normalization": NORMALIZATION, "byte_fallback": True,
                 "inputs": {p.name: _fingerprint(p) for p in train_inputs}}
     if (old.get("vocab_settings") == settings and model_path.is_file()
-            and hashlib.sha256(model_path.read_bytes()).hexdigest() == old.get("spm_sha256")):
+            and sha256_file(model_path) == old.get("spm_sha256")):
         vocab = Vocab.from_file(model_path)
         report(f"{model_path}: up to date ({len(vocab)} pieces), not retrained")
         return vocab, settings
