@@ -88,9 +88,9 @@ def nmt_child(batches: str, shape: dict, threads: int, precision: str, warmup: i
     import torch
 
     from nmt.config import ModelConfig, TrainConfig
+    from nmt.host_memory import keep_freed_memory
     from nmt.model import Transformer
     from nmt.precision import autocast
-    from nmt.train.host_memory import keep_freed_memory
     from nmt.train.loss import label_smoothed_nll, target_positions
     from nmt.train.schedule import build_optimizer
 

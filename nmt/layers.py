@@ -78,7 +78,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """(..., d_model) -> (..., d_model)."""
-        hidden = F.relu(self.fc1(x))  # (..., d_ff)
+        hidden = F.relu(self.fc1(x), inplace=True)  # (..., d_ff); in place: no new buffer
         hidden = F.dropout(hidden, self.activation_dropout, self.training)
         return self.fc2(hidden)
 

@@ -22,6 +22,7 @@ import torch
 from nmt.checkpoint import load_model
 from nmt.config import PRECISIONS, DecodeConfig
 from nmt.errors import CheckpointError, DataError, UsageError
+from nmt.host_memory import keep_freed_memory
 from nmt.precision import resolve_precision
 from nmt.search import (
     EnsembleStepDecoder,
@@ -99,6 +100,8 @@ class Translator:
             raise UsageError(f"unknown precision {precision!r}; choose one of: "
                              f"{', '.join(PRECISIONS)}")
         dev = resolve_device(device)
+        if dev.type == "cpu":
+            keep_freed_memory()  # per-step activations reuse pages instead of re-faulting
         precision = resolve_precision(precision, dev)  # auto -> bf16 / fp16 / fp32
         models, vocab = [], None
         for path in paths:
@@ -229,7 +232,12 @@ def _translate_buffer(buffer: list[tuple[int, bytes]], sink: BinaryIO, translato
         for source_ids, i in zip(sources, owners, strict=True):
             if results[i]:
                 observe(buffer[i][0], source_ids, results[i][0])
-    lines = [_format(buffer[i][0] - 1, results[i], translator) for i in range(len(buffer))]
+    # One sentencepiece call for the whole buffer, on this thread (its thread pool costs
+    # about a millisecond per call: more than decoding a sentence).
+    outputs = iter(translator.vocab.decode(
+        [h.tokens for hyps in results for h in hyps], num_threads=1))
+    lines = [_format(buffer[i][0] - 1, results[i], [next(outputs) for _ in results[i]],
+                     translator.cfg.nbest) for i in range(len(buffer))]
     sink.write("".join(lines).encode("utf-8", errors="replace"))
     sink.flush()
     stats.sentences += len(buffer)
@@ -237,10 +245,9 @@ def _translate_buffer(buffer: list[tuple[int, bytes]], sink: BinaryIO, translato
     stats.tgt_tokens += sum(len(results[i][0].tokens) + 1 for i in owners if results[i])
 
 
-def _format(index: int, hyps: list[Hypothesis], translator: Translator) -> str:
-    """The output line (or nbest `index<TAB>score<TAB>text` lines) of one input line."""
-    texts = translator.vocab.decode([h.tokens for h in hyps]) if hyps else []
-    nbest = translator.cfg.nbest
+def _format(index: int, hyps: list[Hypothesis], texts: list[str], nbest: int) -> str:
+    """The output line (or nbest `index<TAB>score<TAB>text` lines) of one input line, from
+    its hypotheses and their decoded `texts`."""
     if nbest == 1:
         return (sanitize(texts[0]) if texts else "") + "\n"
     out = []

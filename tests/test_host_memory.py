@@ -6,7 +6,7 @@ import platform
 
 import torch
 
-from nmt.train.host_memory import keep_freed_memory
+from nmt.host_memory import keep_freed_memory
 
 
 def test_keep_freed_memory_applies_on_glibc_and_is_idempotent():

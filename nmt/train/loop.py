@@ -17,7 +17,7 @@ the optimizer step is skipped (fp16: GradScaler skips it and lowers the scale) a
 Hot path (measured in bench/train_throughput.py): only the non-PAD target positions are
 projected to the vocabulary (indices from the host-side lengths), the smoothed loss is one
 fused autograd function (nmt/train/loss.py), Adam is foreach on CPU (fused on CUDA), and
-on CPU glibc malloc keeps freed pages (nmt/train/host_memory.py). Threads: torch's default
+on CPU glibc malloc keeps freed pages (nmt/host_memory.py). Threads: torch's default
 (one per physical core); torchrun sets OMP_NUM_THREADS=1 per process itself.
 """
 
@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import math
 import random
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -42,10 +43,10 @@ from nmt.config import ModelConfig, TrainConfig
 from nmt.data.batching import Batch, batch_by_tokens, collate, epoch_order, shard
 from nmt.data.dataset import ParallelData, load_vocab
 from nmt.errors import CheckpointError, TrainingAborted, UsageError
+from nmt.host_memory import keep_freed_memory
 from nmt.model import Transformer
 from nmt.precision import autocast, resolve_precision
 from nmt.train.distributed import DistEnv, gather_objects, init_distributed, shutdown
-from nmt.train.host_memory import keep_freed_memory
 from nmt.train.log import JsonlLog, ProgressReporter
 from nmt.train.loss import label_smoothed_nll, target_positions
 from nmt.train.schedule import InverseSqrtSchedule, build_optimizer
@@ -191,7 +192,9 @@ class Trainer:
         self.progress: ProgressReporter | None = None
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self.log = JsonlLog(self.run_dir / "train_log.jsonl")
+            # A resumed run drops the records of updates it will redo (logged once each).
+            self.log = JsonlLog(self.run_dir / "train_log.jsonl", resume_step=self.step,
+                                warn=self._warn)
             if progress:
                 self.progress = ProgressReporter(train_cfg.max_updates, self.step)
 
@@ -204,6 +207,13 @@ class Trainer:
     def _say(self, text: str) -> None:
         if self.progress is not None:
             self.progress.message(text)
+
+    def _warn(self, text: str) -> None:
+        """A warning on stderr, through the progress bar when there is one."""
+        if self.progress is not None:
+            self.progress.message(f"warning: {text}")
+        else:
+            sys.stderr.write(f"warning: {text}\n")
 
     # ----- data -----
 
