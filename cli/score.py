@@ -20,8 +20,9 @@ def command(
     hyp: Path = typer.Option(None, "--input", "-i", show_default="stdin",
                              help="Hypothesis file, one segment a line."),
     metrics: list[str] = typer.Option(["bleu"], "--metrics", "-M", show_default=True,
-                                      help=f"Metrics among {', '.join(METRICS)}; repeat the "
-                                      "option or separate with commas (bleu,chrf,ter)."),
+                                      help=f"Metrics among {', '.join(METRICS)}: "
+                                      "--metrics bleu chrf ter, bleu,chrf,ter, or the "
+                                      "option repeated."),
     tokenize: str = typer.Option(None, "--tokenize", show_default="13a",
                                  help="Any sacreBLEU BLEU tokenizer (13a, intl, zh, char, "
                                  "none, ...)."),
@@ -34,11 +35,17 @@ def command(
                              help="Target language for the Moses tokenizer of --paper."),
     as_json: bool = typer.Option(False, "--json", show_default=True,
                                  help="Print one JSON line instead of human-readable lines."),
+    more_metrics: list[str] = typer.Argument(None, hidden=True, show_default=False,
+                                             help="Further metric names after --metrics "
+                                             "(`--metrics bleu chrf ter`)."),
 ) -> None:
     """Score hypotheses against references: sacreBLEU 13a BLEU with its signature by
     default; data lines go to stdout."""
     with handle_errors("score"):
-        names = [m.strip().lower() for item in metrics for m in item.split(",") if m.strip()]
+        # `--metrics bleu chrf ter`: an option takes one value, so the words after the first
+        # arrive as (hidden) arguments; score has no other positional argument.
+        given = [*metrics, *(more_metrics or [])]
+        names = [m.strip().lower() for item in given for m in item.split(",") if m.strip()]
         data = None if hyp is not None else sys.stdin.buffer.read()
         scores = score_files(ref, hyp, data, metrics=names, tokenize=tokenize,
                              lowercase=lowercase, paper=paper, lang=lang)

@@ -45,6 +45,10 @@ def test_reference_against_itself_is_100(wmt14_dir: Path, tmp_path: Path) -> Non
     result = run("--ref", str(head), "-i", str(head), "--json", "--metrics", "chrf,ter")
     by_metric = {s["metric"]: s["score"] for s in json.loads(result.stdout)["scores"]}
     assert by_metric == {"chrf": pytest.approx(100.0), "ter": pytest.approx(0.0)}
+    # The spelling: space-separated names after one --metrics.
+    spaced = run("--ref", str(head), "-i", str(head), "--json", "--metrics", "bleu", "chrf",
+                 "ter")
+    assert [s["metric"] for s in json.loads(spaced.stdout)["scores"]] == ["bleu", "chrf", "ter"]
 
 
 def test_perturbation_matches_sacrebleu_api(wmt14_dir: Path, tmp_path: Path) -> None:
@@ -117,4 +121,6 @@ def test_empty_and_non_utf8_files_are_clear_errors(tmp_path: Path) -> None:
     result = run("--ref", str(tmp_path / "missing.de"), "-i", str(ref))
     assert result.exit_code == 3 and "cannot read" in result.stderr
     result = run("--ref", str(ref), "-i", str(ref), "--metrics", "meteor")
+    assert result.exit_code == 2 and "unknown metric" in result.stderr
+    result = run("--ref", str(ref), "-i", str(ref), "--metrics", "bleu", "stray")
     assert result.exit_code == 2 and "unknown metric" in result.stderr
