@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from typing import NoReturn
 
@@ -50,6 +52,32 @@ def handle_errors(command: str) -> Iterator[None]:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         raise typer.Exit(0) from None
+
+
+def interrupt_surely(command: str, grace_seconds: float = 5.0) -> None:
+    """Make Ctrl-C end this process even when Python drops the KeyboardInterrupt.
+
+    The interrupt is raised wherever the main thread is; if that is a finalizer (a
+    `__del__` or weakref callback), Python prints and ignores it, and a filter that then
+    blocks reading stdin would never end. The handler installed here raises as usual and
+    also starts a daemon timer that, if the process is still alive `grace_seconds` later,
+    says "interrupted" and exits 130 at once. For commands with no cleanup that matters
+    (translate writes its output file atomically; a temp file left behind is all).
+    """
+
+    def on_sigint(signum: int, frame: object) -> None:
+        timer = threading.Timer(grace_seconds, _exit_interrupted, args=(command,))
+        timer.daemon = True
+        timer.start()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
+
+
+def _exit_interrupted(command: str) -> None:
+    sys.stderr.write(f"nmt {command}: interrupted\n")
+    sys.stderr.flush()
+    os._exit(EXIT_INTERRUPTED)
 
 
 def not_built(command: str, issue: str) -> NoReturn:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 import typer
 
-from cli.common import console, handle_errors, warn
+from cli.common import console, handle_errors, interrupt_surely, warn
 from nmt.config import DecodeConfig
 from nmt.errors import DataError
 from nmt.fileio import atomic_write_bytes
@@ -81,6 +81,7 @@ def command(
     """Translate one output line per input line (a line ends at \\n only), in input
     order; beam 4 and alpha 0.6 as in the paper. Exit codes: 3 bad input (e.g. --errors
     strict), 6 unloadable or unsafe checkpoint."""
+    interrupt_surely("translate")
     with handle_errors("translate"):
         from nmt.translate import Translator, translate_stream  # torch: load lazily
 

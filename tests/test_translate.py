@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -183,3 +184,25 @@ def test_bad_flags_and_missing_model(ckpt: Path, tmp_path: Path) -> None:
     if not torch.cuda.is_available():
         result = cli_nmt("translate", "-m", str(ckpt), "--device", "cuda", input=b"x\n")
         assert result.returncode == 2 and b"no CUDA device" in result.stderr
+
+
+def test_ctrl_c_ends_even_when_the_interrupt_is_swallowed(tmp_path: Path) -> None:
+    # A KeyboardInterrupt raised inside a finalizer is printed and dropped by Python; a
+    # filter then blocked on stdin must still end (exit 130) instead of hanging.
+    script = tmp_path / "swallow.py"
+    script.write_text(
+        "import signal, sys, time\n"
+        "from cli.common import interrupt_surely\n"
+        "interrupt_surely('translate', grace_seconds=1.0)\n"
+        "class Slow:\n"
+        "    def __del__(self):\n"
+        "        sys.stdout.write('in del\\n'); sys.stdout.flush(); time.sleep(3)\n"
+        "obj = Slow()\n"
+        "del obj\n"
+        "sys.stdin.buffer.readline()\n", encoding="utf-8")
+    proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    assert proc.stdout.readline() == b"in del\n"
+    proc.send_signal(signal.SIGINT)  # lands in __del__: Python ignores it there
+    assert proc.wait(timeout=30) == 130
+    assert b"nmt translate: interrupted" in proc.stderr.read()
