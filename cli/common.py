@@ -44,7 +44,7 @@ def handle_errors(command: str) -> Iterator[None]:
     except NmtError as err:
         fail(command, str(err), err.exit_code)
     except KeyboardInterrupt:
-        sys.stderr.write(f"nmt {command}: interrupted\n")
+        _say_interrupted(command)
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except BrokenPipeError:
         # `nmt translate | head`: the reader left. Point stdout at /dev/null so the
@@ -74,9 +74,13 @@ def interrupt_surely(command: str, grace_seconds: float = 5.0) -> None:
     signal.signal(signal.SIGINT, on_sigint)
 
 
-def _exit_interrupted(command: str) -> None:
+def _say_interrupted(command: str) -> None:
     sys.stderr.write(f"nmt {command}: interrupted\n")
     sys.stderr.flush()
+
+
+def _exit_interrupted(command: str) -> None:
+    _say_interrupted(command)
     os._exit(EXIT_INTERRUPTED)
 
 

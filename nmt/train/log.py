@@ -33,7 +33,7 @@ class JsonlLog:
     def __init__(self, path: Path, resume_step: int | None = None,
                  warn: Callable[[str], None] | None = None) -> None:
         self.path = Path(path)
-        self._warn = warn if warn is not None else _stderr_line
+        self._warn = warn if warn is not None else warn_line
         self._failing = False
         if resume_step is not None and self.path.is_file():
             _drop_after(self.path, resume_step)
@@ -81,7 +81,8 @@ class JsonlLog:
             self._handle.close()
 
 
-def _stderr_line(text: str) -> None:
+def warn_line(text: str) -> None:
+    """One `warning: ...` line on stderr (training's warnings without a progress bar)."""
     sys.stderr.write(f"warning: {text}\n")
     sys.stderr.flush()
 

@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import math
 import random
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -47,7 +46,7 @@ from nmt.host_memory import keep_freed_memory
 from nmt.model import Transformer
 from nmt.precision import autocast, resolve_precision
 from nmt.train.distributed import DistEnv, gather_objects, init_distributed, shutdown
-from nmt.train.log import JsonlLog, ProgressReporter
+from nmt.train.log import JsonlLog, ProgressReporter, warn_line
 from nmt.train.loss import label_smoothed_nll, target_positions
 from nmt.train.schedule import InverseSqrtSchedule, build_optimizer
 from nmt.train.state import (
@@ -213,7 +212,7 @@ class Trainer:
         if self.progress is not None:
             self.progress.message(f"warning: {text}")
         else:
-            sys.stderr.write(f"warning: {text}\n")
+            warn_line(text)
 
     # ----- data -----
 
