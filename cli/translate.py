@@ -61,8 +61,12 @@ def command(
                                "naming the line)."),
     device: str = typer.Option("auto", "--device", show_default=True,
                                help="auto | cpu | cuda."),
-    precision: str = typer.Option("fp32", "--precision", show_default=True,
-                                  help="fp32 | bf16 | fp16 model weights."),
+    precision: str = typer.Option("auto", "--precision", show_default=True,
+                                  help="auto | fp32 | bf16 | fp16 model weights. auto: bf16 "
+                                  "where the CPU (AVX512-BF16/AMX) or GPU computes it "
+                                  "natively (fp16 on pre-Ampere GPUs), else fp32; as "
+                                  "`train` does. Outputs may differ from fp32 in rounding "
+                                  "only; fp32 for bit-stable output across machines."),
     stats: bool = typer.Option(False, "--stats", show_default=True,
                                help="Print sentences/s and target tokens/s on stderr."),
     seed: int = typer.Option(1, "--seed", show_default=True, help="Seed for --sampling."),

@@ -22,11 +22,13 @@ from test_translate_util import (
 )
 
 from nmt.config import DecodeConfig
+from nmt.precision import resolve_precision
 from nmt.translate import Translator, batches_by_tokens, read_lines, translate_stream
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FAST = ("--beam", "2", "--max-len-b", "4")  # keeps CPU time small; order checks need no more
+FP32 = ("--precision", "fp32")  # for outputs compared with in-process fp32 decoding
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +49,9 @@ def test_lines() -> list[str]:
 
 
 def alone(ckpt: Path, lines: list[str], **cfg: object) -> list[str]:
-    """Reference: each line translated on its own, in process."""
-    translator = Translator.load([ckpt], DecodeConfig(**cfg), device="cpu")
+    """Reference: each line translated on its own, in process, in fp32 (CLI runs compared
+    with it pass --precision fp32: bf16 GEMMs may round differently at another batch size)."""
+    translator = Translator.load([ckpt], DecodeConfig(**cfg), device="cpu", precision="fp32")
     out = []
     for line in lines:
         ids = translator.vocab.encode([line])[0]
@@ -88,7 +91,7 @@ def test_5000_lines_through_a_pipe_keep_count_and_order(ckpt: Path, test_lines: 
     with src.open("rb") as stdin:  # a real pipe: cat src | nmt translate
         cat = subprocess.Popen(["cat"], stdin=stdin, stdout=subprocess.PIPE)
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        proc = subprocess.run([*NMT, "translate", "-m", str(ckpt), *FAST, "--buffer-size",
+        proc = subprocess.run([*NMT, "translate", "-m", str(ckpt), *FAST, *FP32, "--buffer-size",
                                "700", "--max-tokens", "600", "--stats"], stdin=cat.stdout,
                               capture_output=True, cwd=REPO, env=env, timeout=600,
                               check=False)
@@ -110,7 +113,7 @@ def test_output_file_input_file_nbest_and_ensemble(ckpt: Path, test_lines: list[
     src.write_text("\n".join(test_lines[:6]) + "\n\n", encoding="utf-8")
     out = tmp_path / "out.de"
     result = cli_nmt("translate", "-m", str(ckpt), "-m", str(ckpt), "-i", str(src),
-                     "-o", str(out), "--beam", "3", "--nbest", "2", "--max-len-b", "6")
+                     "-o", str(out), "--beam", "3", "--nbest", "2", "--max-len-b", "6", *FP32)
     assert result.returncode == 0, result.stderr.decode()
     rows = [line.split("\t") for line in out.read_text(encoding="utf-8").split("\n")[:-1]]
     assert len(rows) == 7 * 2
@@ -121,6 +124,21 @@ def test_output_file_input_file_nbest_and_ensemble(ckpt: Path, test_lines: list[
     single = alone(ckpt, test_lines[:6], beam=3, max_len_b=6)
     assert [r[2] for r in rows[0:12:2]] == single
     assert not list(tmp_path.glob(".out.de.*"))  # atomic write left no temp file
+
+
+def test_default_precision_is_auto(ckpt: Path, test_lines: list[str]) -> None:
+    """`nmt translate` decodes at --precision auto unless told otherwise: its output equals
+    the explicit `--precision auto` one, and auto loads the weights in the dtype the
+    device's policy picks (bf16 on a CPU with native bf16, else fp32)."""
+    source = ("\n".join(test_lines[:8]) + "\n").encode()
+    default = cli_nmt("translate", "-m", str(ckpt), *FAST, input=source)
+    auto = cli_nmt("translate", "-m", str(ckpt), *FAST, "--precision", "auto", input=source)
+    assert default.returncode == 0 and auto.returncode == 0, default.stderr.decode()
+    assert default.stdout == auto.stdout and default.stdout.count(b"\n") == 8
+    translator = Translator.load([ckpt], DecodeConfig(beam=2), device="cpu", precision="auto")
+    expected = {"bf16": torch.bfloat16, "fp32": torch.float32}[
+        resolve_precision("auto", torch.device("cpu"))]
+    assert all(p.dtype == expected for p in translator.models[0].parameters())
 
 
 def test_sampling_is_seeded(ckpt: Path) -> None:
