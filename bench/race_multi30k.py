@@ -18,7 +18,9 @@ What is held equal:
   at launch + B minutes are "available at B minutes". Decoding happens after both runs, so
   it never eats training time;
 - decoding: beam 4, length penalty 0.6 (each toolkit's own formula: nmt the paper's GNMT
-  penalty, fairseq score / length^0.6), max output length 0 * source + 50 pieces;
+  penalty, fairseq score / length^0.6), max output length 0 * source + 50 pieces, each in
+  its default precision (nmt `--precision auto`: bf16 on a CPU with native bf16; fairseq
+  fp32, its only fast mode on a CPU);
 - scoring: the same sacreBLEU call for both: detokenized BLEU (13a) and chrF of the
   test2016 output against the untouched reference ../shared/data/multi30k/test_2016_flickr.de.
 
