@@ -38,6 +38,10 @@ def command(
                                     "(per sentence, source counted with EOS)."),
     max_len_b: int = typer.Option(_D.max_len_b, "--max-len-b", show_default=True,
                                   help="See --max-len-a."),
+    min_len: int = typer.Option(_D.min_len, "--min-len", show_default=True,
+                                help="Min output pieces before EOS may end a hypothesis "
+                                "(1: a non-empty line never gets an empty translation; "
+                                "0: allow it). --max-len-a/b win where they conflict."),
     nbest: int = typer.Option(_D.nbest, "--nbest", show_default=True,
                               help="Hypotheses per line; > 1 prints "
                               "index<TAB>score<TAB>text lines (index from 0)."),
@@ -90,9 +94,9 @@ def command(
         from nmt.translate import Translator, translate_stream  # torch: load lazily
 
         cfg = DecodeConfig(beam=beam, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
-                           nbest=nbest, sampling=sampling, temperature=temperature,
-                           top_k=top_k, top_p=top_p, max_tokens=max_tokens,
-                           buffer_size=buffer_size)
+                           min_len=min_len, nbest=nbest, sampling=sampling,
+                           temperature=temperature, top_k=top_k, top_p=top_p,
+                           max_tokens=max_tokens, buffer_size=buffer_size)
         translator = Translator.load(models, cfg, device=device, precision=precision,
                                      max_src_len=max_src_len, seed=seed)
         observe = None

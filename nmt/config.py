@@ -151,6 +151,7 @@ class DecodeConfig:
     alpha: float = 0.6  # GNMT length penalty exponent; larger favours longer output
     max_len_a: float = 1.0  # max output length = a * source length + b (paper: input + 50)
     max_len_b: int = 50
+    min_len: int = 1  # EOS forbidden before this many pieces (fairseq's default too)
     nbest: int = 1
     sampling: bool = False
     temperature: float = 1.0
@@ -167,6 +168,8 @@ class DecodeConfig:
                              "raise the beam or lower nbest")
         if self.alpha < 0:
             raise UsageError(f"--alpha must be >= 0, got {self.alpha}")
+        if self.min_len < 0:
+            raise UsageError(f"--min-len must be >= 0, got {self.min_len}")
         if not 0.0 < self.top_p <= 1.0:
             raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.temperature <= 0:

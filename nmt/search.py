@@ -13,6 +13,10 @@ Conventions (documented in `nmt translate --help`):
 - Maximum output length of a sentence = floor(max_len_a * src_len + max_len_b) pieces
   (src_len = its own non-pad source tokens incl. EOS, never the padded batch length),
   capped by what the model's positions allow; at that length EOS is forced.
+- Minimum output length `min_len` pieces (default 1, as fairseq's): EOS is forbidden
+  before it, so a non-empty source never gets an empty translation (with alpha 0.6 a weak
+  model's lone EOS, log P / 1, can outscore every real sentence, whose penalty divides
+  a larger log P by lp > 1). The maximum length wins where the two conflict.
 - PAD and BOS are never generated.
 """
 
@@ -195,13 +199,20 @@ def max_output_lengths(src: Tensor, max_len_a: float, max_len_b: int,
     return lengths if cap is None else lengths.clamp(max=cap)
 
 
-def _restrict(log_probs: Tensor, at_max: Tensor | None) -> Tensor:
-    """Forbid PAD and BOS everywhere, and everything but EOS on rows at their max length.
+def _restrict(log_probs: Tensor, at_max: Tensor | None, ban_eos: bool = False) -> Tensor:
+    """Forbid PAD and BOS everywhere, EOS when `ban_eos` (below the minimum length) except
+    on rows at their max length, and everything but EOS on rows at their max length.
 
     log_probs (N, V) float32, modified in place and returned; at_max (N,) bool, or None
     when no row is at its maximum (the common case, known on the host: no (N, V) mask).
     """
     log_probs[:, [PAD_ID, BOS_ID]] = NEG_INF
+    if ban_eos:
+        eos = log_probs[:, EOS_ID]  # (N,) view
+        if at_max is None:
+            eos.fill_(NEG_INF)
+        else:
+            eos.masked_fill_(~at_max, NEG_INF)
     if at_max is not None:
         not_eos = torch.ones(log_probs.size(-1), dtype=torch.bool, device=log_probs.device)
         not_eos[EOS_ID] = False
@@ -210,7 +221,7 @@ def _restrict(log_probs: Tensor, at_max: Tensor | None) -> Tensor:
 
 
 def beam_search(decoder: StepDecoder, max_lens: Tensor, beam: int = 4, alpha: float = 0.6,
-                nbest: int = 1) -> list[list[Hypothesis]]:
+                nbest: int = 1, min_len: int = 1) -> list[list[Hypothesis]]:
     """Batched beam search over B sentences x `beam`; returns up to `nbest` per sentence.
 
     `decoder` holds B rows on entry (one per sentence); it is expanded to B * beam here.
@@ -220,6 +231,7 @@ def beam_search(decoder: StepDecoder, max_lens: Tensor, beam: int = 4, alpha: fl
     hypothesis could still reach, log P_alive / lp(max length) (tensor2tensor's rule; log P
     only falls and lp only rises), or at its maximum length. Finished sentences leave the
     batch. If nothing finished (all EOS scores -inf) the best alive hypothesis is returned.
+    EOS is forbidden before `min_len` pieces (unless a sentence's maximum is lower).
     """
     if beam < 1 or nbest < 1 or nbest > beam:
         raise ValueError(f"need 1 <= nbest ({nbest}) <= beam ({beam})")
@@ -262,7 +274,7 @@ def beam_search(decoder: StepDecoder, max_lens: Tensor, beam: int = 4, alpha: fl
                                   n_groups * beam)  # (rows * beam, V)
         vocab = log_probs.size(-1)
         at_max = (lens == t).repeat_interleave(beam) if t in lens_host else None  # (rows*beam,)
-        log_probs = _restrict(log_probs, at_max).view(n_rows, beam, vocab)
+        log_probs = _restrict(log_probs, at_max, t < min_len).view(n_rows, beam, vocab)
         # The best 2*beam of a sentence's beam*V candidates are among the best 2*beam of
         # each row (a row's cumulative score shifts all its candidates equally), so rank
         # per row first and add the beam scores to those few only: no (rows, beam*V) pass.
@@ -424,15 +436,16 @@ def _cut(ids: list[int]) -> list[int]:
     return out
 
 
-def greedy_decode(decoder: StepDecoder, max_lens: Tensor, alpha: float = 0.0
-                  ) -> list[Hypothesis]:
+def greedy_decode(decoder: StepDecoder, max_lens: Tensor, alpha: float = 0.0,
+                  min_len: int = 1) -> list[Hypothesis]:
     """Pick the most probable token at each step until EOS or the maximum length."""
-    return _sample_like(decoder, max_lens, alpha, lambda lp: lp.argmax(dim=-1))
+    return _sample_like(decoder, max_lens, alpha, lambda lp: lp.argmax(dim=-1), min_len)
 
 
 def sample_decode(decoder: StepDecoder, max_lens: Tensor, temperature: float = 1.0,
                   top_k: int = 0, top_p: float = 1.0, alpha: float = 0.0,
-                  generator: torch.Generator | None = None) -> list[Hypothesis]:
+                  generator: torch.Generator | None = None, min_len: int = 1
+                  ) -> list[Hypothesis]:
     """Sample each token from the temperature-scaled, top-k / top-p filtered distribution.
 
     The reported log-prob is the model's own (unscaled, unfiltered) one.
@@ -443,7 +456,7 @@ def sample_decode(decoder: StepDecoder, max_lens: Tensor, temperature: float = 1
         probs = torch.softmax(filtered, dim=-1)  # (N, V)
         return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
-    return _sample_like(decoder, max_lens, alpha, choose)
+    return _sample_like(decoder, max_lens, alpha, choose, min_len)
 
 
 def filter_log_probs(log_probs: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
@@ -466,7 +479,7 @@ def filter_log_probs(log_probs: Tensor, top_k: int = 0, top_p: float = 1.0) -> T
 
 
 def _sample_like(decoder: StepDecoder, max_lens: Tensor, alpha: float,
-                 choose: Any) -> list[Hypothesis]:
+                 choose: Any, min_len: int) -> list[Hypothesis]:
     """Shared loop of greedy and sampling: one token per row per step, no beam."""
     device = max_lens.device
     rows = max_lens.numel()
@@ -480,7 +493,7 @@ def _sample_like(decoder: StepDecoder, max_lens: Tensor, alpha: float,
     budgets = set(max_lens.tolist())
     for t in range(width):
         at_max = (max_lens == t) if t in budgets else None
-        log_probs = _restrict(decoder.step(last), at_max)  # (rows, V)
+        log_probs = _restrict(decoder.step(last), at_max, t < min_len)  # (rows, V)
         chosen = choose(log_probs)  # (rows,)
         step_lp = log_probs.gather(1, chosen.unsqueeze(1)).squeeze(1)
         chosen = chosen.masked_fill(finished, EOS_ID)

@@ -128,11 +128,12 @@ class Translator:
         with torch.inference_mode():
             decoder = EnsembleStepDecoder([ModelStepDecoder(m, src) for m in self.models])
             if not cfg.sampling:
-                return beam_search(decoder, max_lens, cfg.beam, cfg.alpha, cfg.nbest)
+                return beam_search(decoder, max_lens, cfg.beam, cfg.alpha, cfg.nbest,
+                                   cfg.min_len)
             rows = torch.arange(len(sources), device=self.device).repeat_interleave(cfg.nbest)
             decoder.reorder(rows)  # (batch * nbest,): independent samples
             flat = sample_decode(decoder, max_lens[rows], cfg.temperature, cfg.top_k,
-                                 cfg.top_p, cfg.alpha, self.generator)
+                                 cfg.top_p, cfg.alpha, self.generator, cfg.min_len)
         return [sorted(flat[i * cfg.nbest:(i + 1) * cfg.nbest], key=lambda h: -h.score)
                 for i in range(len(sources))]
 

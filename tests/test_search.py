@@ -120,6 +120,44 @@ def test_zero_budget_gives_empty_output() -> None:
     assert hyps[0][0].log_prob == pytest.approx(math.log(0.1), abs=1e-6)
 
 
+# EOS is the most likely first token: a lone EOS (|Y| = 1, lp = 1) scores log 0.9 = -0.105,
+# "A EOS" log(0.1 * 0.5) / lp(2) = -2.43 at alpha 0.6.
+EOS_FIRST = {(): {EOS_ID: 0.9, A: 0.1}, (A,): {EOS_ID: 0.5, A: 0.3, B: 0.2}}
+
+
+def eos_first(_sent: int, prefix: tuple[int, ...]) -> dict[int, float]:
+    return EOS_FIRST.get(prefix, DEFAULT)
+
+
+def test_min_len_forbids_the_empty_translation() -> None:
+    empty = beam_search(TableDecoder(eos_first), torch.tensor([5]), beam=2, alpha=0.6,
+                        min_len=0)
+    assert empty[0][0].tokens == []
+    assert empty[0][0].score == pytest.approx(math.log(0.9), abs=1e-6)
+    hyps = beam_search(TableDecoder(eos_first), torch.tensor([5]), beam=2, alpha=0.6)
+    assert hyps[0][0].tokens == [A]  # min_len 1 is the default
+    assert hyps[0][0].score == pytest.approx(math.log(0.1 * 0.5) / lp(2, 0.6), abs=1e-6)
+    assert greedy_decode(TableDecoder(eos_first), torch.tensor([5]), min_len=0)[0].tokens == []
+    assert greedy_decode(TableDecoder(eos_first), torch.tensor([5]))[0].tokens == [A]
+    sampled = sample_decode(TableDecoder(eos_first, 50), torch.full((50,), 5),
+                            generator=torch.Generator().manual_seed(0))
+    assert all(h.tokens for h in sampled)
+
+
+def test_min_len_counts_pieces_and_yields_to_max_len() -> None:
+    hyps = beam_search(TableDecoder(eos_first), torch.tensor([5]), beam=2, alpha=0.0,
+                       min_len=3)
+    assert all(len(h.tokens) >= 3 for h in hyps[0])
+    # A budget below min_len: EOS is forced at the budget as always.
+    short = beam_search(TableDecoder(eos_first), torch.tensor([1]), beam=2, alpha=0.0,
+                        min_len=3, nbest=2)
+    assert sorted(h.tokens for h in short[0]) == [[A]]
+    assert greedy_decode(TableDecoder(eos_first), torch.tensor([2]), min_len=3)[0].tokens \
+        == [A, A]
+    zero = beam_search(TableDecoder(eos_first), torch.tensor([0]), beam=2, alpha=0.6)
+    assert zero[0][0].tokens == []
+
+
 def test_nothing_finished_returns_best_alive() -> None:
     never_eos = lambda _s, _p: {A: 0.6, B: 0.4}  # noqa: E731  EOS has probability 0
     hyps = beam_search(TableDecoder(never_eos), torch.tensor([3]), beam=2, alpha=0.0)
@@ -139,10 +177,11 @@ def random_table(seed: int):
     return dist
 
 
-def exhaustive_best(dist, sent: int, max_len: int, alpha: float) -> tuple[list[int], float]:
-    """Score every sequence of <= max_len pieces + EOS; return the best."""
+def exhaustive_best(dist, sent: int, max_len: int, alpha: float,
+                    min_len: int = 0) -> tuple[list[int], float]:
+    """Score every sequence of min_len..max_len pieces + EOS; return the best."""
     best: tuple[list[int], float] = ([], -math.inf)
-    for n in range(max_len + 1):
+    for n in range(min(min_len, max_len), max_len + 1):
         for seq in itertools.product((UNK_ID, A, B), repeat=n):
             logp = 0.0
             for i in range(n + 1):
@@ -155,14 +194,17 @@ def exhaustive_best(dist, sent: int, max_len: int, alpha: float) -> tuple[list[i
     return best
 
 
+@pytest.mark.parametrize("min_len", [0, 1, 2])
 @pytest.mark.parametrize("alpha", [0.0, 0.6, 1.5])
 @pytest.mark.parametrize("seed", range(4))
-def test_wide_beam_finds_exhaustive_optimum(seed: int, alpha: float) -> None:
+def test_wide_beam_finds_exhaustive_optimum(seed: int, alpha: float, min_len: int) -> None:
     max_len = 3
     beam = 3**max_len  # >= |pieces|^L: nothing is ever pruned
     dist = random_table(seed)
-    hyps = beam_search(TableDecoder(dist), torch.tensor([max_len]), beam=beam, alpha=alpha)
-    tokens, score = exhaustive_best(dist, 0, max_len, alpha)
+    hyps = beam_search(TableDecoder(dist), torch.tensor([max_len]), beam=beam, alpha=alpha,
+                       min_len=min_len)
+    tokens, score = exhaustive_best(dist, 0, max_len, alpha, min_len)
+    assert len(tokens) >= min_len
     assert hyps[0][0].tokens == tokens
     assert hyps[0][0].score == pytest.approx(score, abs=1e-4)
 
@@ -220,11 +262,11 @@ def test_sampling_follows_the_distribution_and_seed() -> None:
     dist = lambda _s, _p: {A: 0.7, EOS_ID: 0.3}  # noqa: E731
     max_lens = torch.full((2000,), 1)
     gen = torch.Generator().manual_seed(0)
-    hyps = sample_decode(TableDecoder(dist, 2000), max_lens, generator=gen)
+    hyps = sample_decode(TableDecoder(dist, 2000), max_lens, generator=gen, min_len=0)
     share_a = sum(h.tokens == [A] for h in hyps) / len(hyps)
     assert share_a == pytest.approx(0.7, abs=0.04)
     again = sample_decode(TableDecoder(dist, 2000), max_lens,
-                          generator=torch.Generator().manual_seed(0))
+                          generator=torch.Generator().manual_seed(0), min_len=0)
     assert [h.tokens for h in again] == [h.tokens for h in hyps]
     # top-k 1 makes sampling greedy.
     top1 = sample_decode(TableDecoder(dist, 50), torch.full((50,), 1), top_k=1)
