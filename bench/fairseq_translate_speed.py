@@ -95,6 +95,9 @@ def main() -> None:
     sources = export["sources"]
     groups = batches([len(r) for r in sources], s["max_tokens"])
 
+    fair_to_ours = {f: o for o, f in enumerate(export["ours_to_fair"])}
+    outputs: dict[int, list[int]] = {}
+
     def run(selected):
         tokens = 0
         for group in selected:
@@ -104,6 +107,8 @@ def main() -> None:
             with torch.no_grad():
                 hyps = gen.generate([model], sample)
             tokens += sum(len(h[0]["tokens"]) for h in hyps)  # includes EOS
+            for i, h in zip(group, hyps, strict=True):  # best, in our ids, no EOS
+                outputs[i] = [fair_to_ours[t] for t in h[0]["tokens"].tolist()[:-1]]
         return tokens
 
     run(batches([len(sources[i]) for i in range(20)], s["max_tokens"]))  # warm-up
@@ -114,7 +119,8 @@ def main() -> None:
                       "seconds": seconds, "sentences_per_s": len(sources) / seconds,
                       "tokens_per_s": tokens / seconds, "cpu_seconds": cpu,
                       "sentences_per_cpu_s": len(sources) / cpu,
-                      "tokens_per_cpu_s": tokens / cpu, "logp_max_abs_diff": max_diff}))
+                      "tokens_per_cpu_s": tokens / cpu, "logp_max_abs_diff": max_diff,
+                      "hyps": [outputs[i] for i in range(len(sources))]}))
     sys.stdout.flush()
 
 

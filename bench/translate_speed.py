@@ -19,11 +19,17 @@ projection is untied too. The helper checks the teacher-forced log-probs agree. 
 fairseq's length penalty is |Y|^alpha (ours GNMT's ((5+|Y|)/6)^alpha) and its stopping
 rule differs (it waits for `beam` finished hypotheses), so outputs may differ slightly.
 
-Precision: nmt is timed twice, at fp32 (like for like) and at its default `--precision
-auto` (bf16 weights where the CPU computes bf16 natively, e.g. AVX512-BF16; else fp32 again).
+Precision: nmt is timed at fp32 (like for like) and at its default `--precision auto` (bf16
+weights where the CPU computes bf16 natively, e.g. AVX512-BF16; else fp32 again), both with
+its linears packed for oneDNN (nmt/packed_linear.py, what `nmt translate` does on a CPU), and
+once more at fp32 with packing off (NMT_PACKED_LINEAR=0: torch's default MKL path, the one
+fairseq runs on) to show what the packing contributes.
 fairseq runs fp32, its fastest mode on a CPU: measured here (Multi30k test, 1 thread),
 `fairseq-generate --cpu --bf16` leaves the model in fp32 (same output, same time, 27.6 s vs
 29.0 s) and `--fp16` is 2.9x slower (82.9 s). The target line compares the defaults.
+
+Quality check: every system's output is scored (sacreBLEU, detokenized, against
+test_2016_flickr.de), so a faster setting that translates worse would show.
 
 Both sides run one after the other with --threads each and report wall time AND process
 CPU time: on a machine shared with other work, wall time measures the load more than the
@@ -50,11 +56,13 @@ import sys
 import time
 from pathlib import Path
 
+import sacrebleu
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from nmt import packed_linear  # noqa: E402
 from nmt.checkpoint import FORMAT, load_model, save_checkpoint  # noqa: E402
 from nmt.config import DecodeConfig, model_preset  # noqa: E402
 from nmt.model import Transformer  # noqa: E402
@@ -160,17 +168,30 @@ def export_for_fairseq(model: Transformer, vocab: Vocab, lines: list[str], cfg: 
                            "max_len_b": cfg.max_len_b, "max_tokens": cfg.max_tokens}}, path)
 
 
-def time_ours(checkpoint: Path, lines: list[str], cfg: DecodeConfig,
-              precision: str) -> dict[str, object]:
-    """`nmt translate`'s stream path over `lines` at `precision` (after a 20-line warm-up)."""
+def bleu(hyps: list[str], refs: list[str]) -> float:
+    """Detokenized sacreBLEU (13a) of `hyps` against `refs`."""
+    return round(sacrebleu.corpus_bleu(hyps, [refs[: len(hyps)]]).score, 2)
+
+
+def time_ours(checkpoint: Path, lines: list[str], refs: list[str], cfg: DecodeConfig,
+              precision: str, packed: bool = True) -> dict[str, object]:
+    """`nmt translate`'s stream path over `lines` at `precision` (after a 20-line warm-up),
+    with the linears packed for oneDNN or (packed=False) on torch's default path."""
+    os.environ["NMT_PACKED_LINEAR"] = "1" if packed else "0"
+    packed_linear.available.cache_clear()
     translator = Translator.load([checkpoint], cfg, device="cpu", precision=precision)
     data = ("\n".join(lines) + "\n").encode()
     translate_stream(io.BytesIO(("\n".join(lines[:20]) + "\n").encode()), io.BytesIO(),
                      translator)  # warm-up
+    sink = io.BytesIO()
     start, cpu_start = time.perf_counter(), time.process_time()
-    stats = translate_stream(io.BytesIO(data), io.BytesIO(), translator)
+    stats = translate_stream(io.BytesIO(data), sink, translator)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    return {"system": "nmt", "precision": precision,
+    hyps = sink.getvalue().decode("utf-8").splitlines()
+    os.environ.pop("NMT_PACKED_LINEAR")
+    packed_linear.available.cache_clear()
+    return {"system": "nmt", "precision": precision, "packed_linears": packed,
+            "bleu": bleu(hyps, refs),
             "resolved_precision": resolve_precision(precision, torch.device("cpu")),
             "sentences": stats.sentences, "tgt_tokens": stats.tgt_tokens,
             "seconds": seconds, "sentences_per_s": stats.sentences / seconds,
@@ -194,18 +215,22 @@ def main() -> None:
     checkpoint = opts.checkpoint or build_model(opts.cache, opts.vocab_size, opts.seed)
     lines = (DATA / "test_2016_flickr.en").read_text(encoding="utf-8").split("\n")
     lines = lines[: opts.sentences]
+    refs = (DATA / "test_2016_flickr.de").read_text(encoding="utf-8").splitlines()
     cfg = DecodeConfig(beam=4, alpha=0.6, max_len_a=0.0, max_len_b=50,
                        max_tokens=opts.max_tokens, buffer_size=len(lines))
-    runs = {p: time_ours(checkpoint, lines, cfg, p) for p in ("fp32", "auto")}
-    for p, ours in runs.items():
-        print(f"nmt {p:>4} ({ours['resolved_precision']}): {ours['sentences_per_s']:.1f} "
+    runs = {"fp32": time_ours(checkpoint, lines, refs, cfg, "fp32"),
+            "auto": time_ours(checkpoint, lines, refs, cfg, "auto"),
+            "fp32_unpacked": time_ours(checkpoint, lines, refs, cfg, "fp32", packed=False)}
+    for name, ours in runs.items():
+        print(f"nmt {name:>13} ({ours['resolved_precision']}): {ours['sentences_per_s']:.1f} "
               f"sentences/s, {ours['tokens_per_s']:.0f} target tokens/s "
               f"({ours['seconds']:.1f} s wall); {ours['sentences_per_cpu_s']:.1f} "
-              f"sentences/CPU-s ({ours['cpu_seconds']:.1f} CPU-s)")
+              f"sentences/CPU-s ({ours['cpu_seconds']:.1f} CPU-s); BLEU {ours['bleu']}")
     result: dict[str, object] = {"bench": "translate_speed", "checkpoint": str(checkpoint),
                                  "beam": 4, "alpha": 0.6, "max_len_b": 50,
                                  "threads": opts.threads, "nmt": runs["auto"],
-                                 "nmt_fp32": runs["fp32"]}
+                                 "nmt_fp32": runs["fp32"],
+                                 "nmt_fp32_unpacked": runs["fp32_unpacked"]}
     if not opts.skip_fairseq:
         model, vocab, _ = load_model(checkpoint, "cpu")
         export = opts.cache / "fairseq_export.pt"
@@ -218,18 +243,20 @@ def main() -> None:
         if proc.returncode != 0:
             raise SystemExit(f"fairseq side failed:\n{proc.stderr[-3000:]}")
         fair = json.loads(proc.stdout.strip().splitlines()[-1])
+        fair["bleu"] = bleu(vocab.decode(fair.pop("hyps")), refs)
         print(f"fairseq: {fair['sentences_per_s']:.1f} sentences/s, "
               f"{fair['tokens_per_s']:.0f} target tokens/s ({fair['seconds']:.1f} s wall); "
               f"{fair['sentences_per_cpu_s']:.1f} sentences/CPU-s "
-              f"({fair['cpu_seconds']:.1f} CPU-s); "
+              f"({fair['cpu_seconds']:.1f} CPU-s); BLEU {fair['bleu']}; "
               f"log-prob parity max |diff| {fair['logp_max_abs_diff']:.2e}")
-        for p, ours in runs.items():
+        labels = {"auto": ("nmt default (auto)", ""), "fp32": ("like for like (fp32)", "_fp32"),
+                  "fp32_unpacked": ("fp32, packing off", "_fp32_unpacked")}
+        for name, ours in runs.items():
             ratio = ours["sentences_per_s"] / fair["sentences_per_s"]
             cpu_ratio = ours["sentences_per_cpu_s"] / fair["sentences_per_cpu_s"]
-            label = "nmt default (auto)" if p == "auto" else "like for like (fp32)"
+            label, suffix = labels[name]
             print(f"speed-up, {label}: {ratio:.2f}x sentences/s wall, {cpu_ratio:.2f}x per "
                   "CPU-second (target >= 1.5x)")
-            suffix = "" if p == "auto" else "_fp32"
             result[f"speedup_sentences{suffix}"] = ratio
             result[f"speedup_sentences_cpu{suffix}"] = cpu_ratio
         result["fairseq"] = fair

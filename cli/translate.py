@@ -70,7 +70,8 @@ def command(
                                   "where the CPU (AVX512-BF16/AMX) or GPU computes it "
                                   "natively (fp16 on pre-Ampere GPUs), else fp32; as "
                                   "`train` does. Outputs may differ from fp32 in rounding "
-                                  "only; fp32 for bit-stable output across machines."),
+                                  "only. On a CPU the linears run through oneDNN with "
+                                  "packed weights (fp32 and bf16)."),
     stats: bool = typer.Option(False, "--stats", show_default=True,
                                help="Print sentences/s and target tokens/s on stderr."),
     seed: int = typer.Option(1, "--seed", show_default=True, help="Seed for --sampling."),

@@ -109,6 +109,9 @@ class Transformer(nn.Module):
         # Pre-norm leaves the residual stream unnormalised: one final LayerNorm per stack.
         self.enc_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else None
         self.dec_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else None
+        # Inference-time replacement of the output projection (a packed copy of the shared
+        # matrix, see nmt/packed_linear.py); None: F.linear with `output_weight`.
+        self.output_projection: nn.Module | None = None
         with torch.no_grad():
             nn.init.normal_(self.embed.weight, mean=0.0, std=cfg.d_model ** -0.5)
             self.embed.weight[cfg.pad_id].zero_()
@@ -161,10 +164,18 @@ class Transformer(nn.Module):
             x = self.dec_norm(x)
         return x
 
-    def logits(self, features: Tensor) -> Tensor:
+    def logits(self, features: Tensor, out: Tensor | None = None) -> Tensor:
         """Output projection with the shared embedding matrix: (..., d_model) -> (..., vocab),
-        in the compute dtype (the loss or search casts as it needs)."""
-        return F.linear(features, self.embed.weight)
+        in the compute dtype (the loss or search casts as it needs).
+
+        `out` (at least rows x vocab, for 2-D `features`) receives the logits in its first
+        rows when the plain projection runs; a packed `output_projection` returns a new
+        tensor instead (its kernel has no out= form)."""
+        if self.output_projection is not None:
+            return self.output_projection(features)
+        if out is None:
+            return F.linear(features, self.embed.weight)
+        return torch.mm(features, self.output_weight.t(), out=out[: features.size(0)])
 
     def forward(self, src: Tensor, tgt_in: Tensor, has_pad: bool | None = None,
                 select: Tensor | None = None) -> Tensor:
@@ -228,6 +239,7 @@ class Transformer(nn.Module):
         With `out` (at least n or m rows, vocab), the logits are written into its first
         rows and that view is returned: a search reusing one buffer avoids a fresh
         (rows, vocab) allocation per step (large enough to be page-faulted in each time).
+        A packed `output_projection` ignores it (see `logits`).
 
         With `need_attention`, the encoder-decoder attention of layer
         `state.attention_layer` is stored in `state.attention` (n or m, heads, src_len).
@@ -256,10 +268,7 @@ class Transformer(nn.Module):
         if self.dec_norm is not None:
             x = self.dec_norm(x)
         state.step += 1
-        if out is None:
-            return self.logits(x[:, 0])  # (n or m, vocab)
-        features = x[:, 0]  # (n or m, d_model)
-        return torch.mm(features, self.output_weight.t(), out=out[: features.size(0)])
+        return self.logits(x[:, 0], out=out)  # (n or m, vocab)
 
     def reserve_cache(self, state: DecoderState, positions: int,
                       buffers: list[Tensor] | None = None) -> None:

@@ -108,8 +108,11 @@ class ModelStepDecoder:
             buffers = buffers + self._pool[0]
         _POOLS[self.model] = (buffers, self._buffer)
 
-    def _out(self, rows: int) -> Tensor:
-        """The reused logits buffer, grown to at least `rows` rows (model dtype)."""
+    def _out(self, rows: int) -> Tensor | None:
+        """The reused logits buffer, grown to at least `rows` rows (model dtype); None when
+        the model's output projection is packed (it allocates its own output)."""
+        if getattr(self.model, "output_projection", None) is not None:
+            return None
         weight = self.model.output_weight
         if (self._buffer is None or self._buffer.size(0) < rows
                 or self._buffer.dtype != weight.dtype):

@@ -23,6 +23,7 @@ from nmt.checkpoint import load_model
 from nmt.config import PRECISIONS, DecodeConfig
 from nmt.errors import CheckpointError, DataError, UsageError
 from nmt.host_memory import keep_freed_memory
+from nmt.packed_linear import pack_for_inference
 from nmt.precision import resolve_precision
 from nmt.search import (
     EnsembleStepDecoder,
@@ -110,7 +111,9 @@ class Translator:
                 raise CheckpointError(f"{path}: vocabulary differs from {paths[0]}; an "
                                       "ensemble needs models trained on one vocabulary")
             vocab = model_vocab
-            models.append(model.to(_DTYPES[precision]))
+            model = model.to(_DTYPES[precision])
+            pack_for_inference(model)  # CPU fp32/bf16: oneDNN linears, weights packed once
+            models.append(model)
         assert vocab is not None
         return cls(models, vocab, cfg, dev, max_src_len, seed)
 

@@ -95,8 +95,9 @@ def reference_cross_attention(model: torch.nn.Module, sources: list[list[int]],
 def test_maps_equal_full_decoder_softmax(ckpt: Path, test_lines: list[str],
                                          layer: int) -> None:
     translator, sources, hyps = translated(ckpt, test_lines)
-    model = translator.models[0]
-    reference = reference_cross_attention(model, sources, hyps, layer)
+    model = translator.models[0]  # as `nmt translate` runs it (linears packed on a CPU)
+    plain, _, _ = load_model(ckpt, CPU)  # raw weight matrices for the reference
+    reference = reference_cross_attention(plain, sources, hyps, layer)
     assert len({len(s) for s in sources}) > 1  # the batch really is padded
     for row, (src_ids, hyp_ids) in enumerate(zip(sources, hyps, strict=True)):
         weights, src_labels, tgt_labels = attention_maps(model, translator.vocab, src_ids,
