@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from nmt.attention import CrossAttention, SelfAttention, xavier_chunks_
 from nmt.config import ModelConfig
+from nmt.dropout import dropout
 from nmt.errors import UsageError
 
 
@@ -79,7 +80,7 @@ class FeedForward(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """(..., d_model) -> (..., d_model)."""
         hidden = F.relu(self.fc1(x), inplace=True)  # (..., d_ff); in place: no new buffer
-        hidden = F.dropout(hidden, self.activation_dropout, self.training)
+        hidden = dropout(hidden, self.activation_dropout, self.training)
         return self.fc2(hidden)
 
 
@@ -98,7 +99,7 @@ class Residual(nn.Module):
 
     def after(self, x: Tensor, sublayer_out: Tensor) -> Tensor:
         """Combine the residual `x` with the sub-layer output."""
-        y = x + F.dropout(sublayer_out, self.dropout, self.training)
+        y = x + dropout(sublayer_out, self.dropout, self.training)
         return y if self.pre_norm else self.norm(y)
 
 

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from nmt.attention import key_padding_mask
 from nmt.config import ModelConfig
+from nmt.dropout import dropout
 from nmt.layers import DecoderLayer, EncoderLayer, Positions, embedding_scale
 
 
@@ -128,7 +129,7 @@ class Transformer(nn.Module):
     def _embed(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """Scaled token embeddings plus positions, then dropout: (..., len, d_model)."""
         x = self.embed(tokens) * self.scale + positions
-        return F.dropout(x, self.cfg.dropout, self.training)
+        return dropout(x, self.cfg.dropout, self.training)
 
     def encode(self, src: Tensor, has_pad: bool | None = None) -> EncoderOutput:
         """Encode `src` (batch, src_len) of ids (pieces + EOS, right-padded with PAD).

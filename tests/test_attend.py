@@ -1,0 +1,49 @@
+"""nmt.attention.attend on CPU (softmax written out) against torch's SDPA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nmt.attention import attend
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_attend_equals_sdpa_with_gradients(causal: bool, masked: bool) -> None:
+    torch.manual_seed(0)
+    b, h, t, d = 3, 2, 7, 8
+    q, k, v = (torch.randn(b, h, t, d, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    mask = None
+    if masked:  # right padding: row r has 7 - r real keys
+        lengths = torch.tensor([7, 5, 2])
+        mask = (torch.arange(t)[None, :] < lengths[:, None])[:, None, None, :]  # (b,1,1,t)
+    got = attend(q, k, v, mask, causal)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    torch.testing.assert_close(got, want)
+    grad = torch.randn_like(got)
+    got_grads = torch.autograd.grad(got, (q, k, v), grad)
+    want_grads = torch.autograd.grad(want, (q, k, v), grad)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_attend_bf16_is_close_and_keeps_the_dtype() -> None:
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(4, 4, 20, 16) for _ in range(3))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    got = attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), is_causal=True)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+
+
+def test_attention_dropout_keeps_rows_normalised_in_expectation() -> None:
+    torch.manual_seed(2)
+    q, k = torch.randn(2, 2, 5, 4), torch.randn(2, 2, 6, 4)
+    v = torch.ones(2, 2, 6, 3)  # output = sum of the kept, rescaled weights
+    dropped = attend(q, k, v, dropout_p=0.5)
+    assert not torch.allclose(dropped, torch.ones_like(dropped))  # some weights dropped
+    runs = torch.stack([attend(q, k, v, dropout_p=0.5) for _ in range(2000)]).mean(0)
+    torch.testing.assert_close(runs, torch.ones_like(runs), atol=0.05, rtol=0)
