@@ -1,12 +1,14 @@
-"""keep_freed_memory: applies on glibc Linux, is idempotent, and big tensors still work."""
+"""keep_freed_memory and limit_onednn_cache: the CPU memory policy of nmt/host_memory.py."""
 
 from __future__ import annotations
 
+import os
 import platform
 
+import pytest
 import torch
 
-from nmt.host_memory import keep_freed_memory
+from nmt.host_memory import ONEDNN_CACHE_CAPACITY, keep_freed_memory, limit_onednn_cache
 
 
 def test_keep_freed_memory_applies_on_glibc_and_is_idempotent():
@@ -17,3 +19,13 @@ def test_keep_freed_memory_applies_on_glibc_and_is_idempotent():
         big = torch.ones(3000, 10000)  # 120 MB
         assert float(big.sum()) == 3e7
         del big
+
+
+def test_limit_onednn_cache_sets_the_default_and_respects_the_user(
+        monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    limit_onednn_cache()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_CACHE_CAPACITY)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "512")  # the user's choice wins
+    limit_onednn_cache()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "512"

@@ -17,7 +17,8 @@ the optimizer step is skipped (fp16: GradScaler skips it and lowers the scale) a
 Hot path (measured in bench/train_throughput.py): only the non-PAD target positions are
 projected to the vocabulary (indices from the host-side lengths), the smoothed loss is one
 fused autograd function (nmt/train/loss.py), Adam is foreach on CPU (fused on CUDA), and
-on CPU glibc malloc keeps freed pages (nmt/host_memory.py). Threads: torch's default
+on CPU glibc malloc keeps freed pages and oneDNN's primitive cache is capped
+(nmt/host_memory.py). Threads: torch's default
 (one per physical core); torchrun sets OMP_NUM_THREADS=1 per process itself.
 """
 
@@ -42,7 +43,7 @@ from nmt.config import ModelConfig, TrainConfig
 from nmt.data.batching import Batch, batch_by_tokens, collate, epoch_order, shard
 from nmt.data.dataset import ParallelData, load_vocab
 from nmt.errors import CheckpointError, TrainingAborted, UsageError
-from nmt.host_memory import keep_freed_memory
+from nmt.host_memory import keep_freed_memory, limit_onednn_cache
 from nmt.model import Transformer
 from nmt.precision import autocast, resolve_precision
 from nmt.train.distributed import DistEnv, gather_objects, init_distributed, shutdown
@@ -134,6 +135,7 @@ class Trainer:
         self.env: DistEnv = init_distributed(dev_type)
         self.device = resolve_device(device, self.env.local_rank)
         if self.device.type == "cpu":
+            limit_onednn_cache()  # one primitive per batch shape: bounded, not 1024 of them
             keep_freed_memory()  # big per-step tensors reuse pages instead of re-faulting
         self.vocab = load_vocab(self.data_dir)
         if model_cfg.vocab_size != len(self.vocab):
