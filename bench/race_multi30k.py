@@ -294,6 +294,9 @@ def main() -> None:
     for toolkit in toolkits:
         run_dir = out / toolkit / "run"
         work = out / toolkit / "decode"
+        if work.exists():  # only this run's averages and outputs, never an earlier one's
+            for path in sorted(work.iterdir()):
+                path.unlink()
         work.mkdir(parents=True, exist_ok=True)
         ckpts = (nmt_checkpoints(run_dir) if toolkit == "nmt" else fs.checkpoints(run_dir))
         launch = timing[toolkit]["launch"]
