@@ -88,6 +88,13 @@ def prepare_data(mirror: Path) -> None:
         run([str(NMT), "bpe", str(DATA)], DATA.parent / "bpe.log")
 
 
+def empty(folder: Path) -> None:
+    """Create `folder` or delete the files in it (runs and decodes hold no subfolders)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in folder.iterdir():
+        path.unlink()
+
+
 def timed_train(cmd: list[str], log: Path, minutes: float,
                 env: dict[str, str] | None = None) -> dict[str, float]:
     """Launch a training process, wait for it (killing it 2 minutes after its budget if it
@@ -282,9 +289,7 @@ def main() -> None:
             print(f"race: reusing the {toolkit} run in {run_dir} (--retrain to redo)",
                   file=sys.stderr)
             continue
-        if run_dir.exists():
-            for path in sorted(run_dir.iterdir()):
-                path.unlink()
+        empty(run_dir)
         print(f"race: training {toolkit} for {minutes:g} minutes", file=sys.stderr)
         timing[toolkit] = timed_train(cmd, out / toolkit / "train.log", minutes, env)
         timing_path.write_text(json.dumps(timing, indent=1))
@@ -294,10 +299,7 @@ def main() -> None:
     for toolkit in toolkits:
         run_dir = out / toolkit / "run"
         work = out / toolkit / "decode"
-        if work.exists():  # only this run's averages and outputs, never an earlier one's
-            for path in sorted(work.iterdir()):
-                path.unlink()
-        work.mkdir(parents=True, exist_ok=True)
+        empty(work)  # only this run's averages and outputs, never an earlier one's
         ckpts = (nmt_checkpoints(run_dir) if toolkit == "nmt" else fs.checkpoints(run_dir))
         launch = timing[toolkit]["launch"]
         rows = []

@@ -11,6 +11,8 @@ batch-first.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -84,7 +86,7 @@ class SelfAttention(nn.Module):
         """Attend over the whole sequence `x` (batch, len, d_model).
 
         `attn_mask` is None (no padding) or a boolean mask broadcastable to
-        (batch, heads, len, len); `is_causal` lets SDPA apply the causal mask itself.
+        (batch, heads, len, len); `is_causal` hides later positions without a mask tensor.
         """
         q, k, v = self.project(x)
         drop = self.dropout if self.training else 0.0
@@ -128,16 +130,34 @@ class SelfAttention(nn.Module):
         return self.out(context)  # (m or n, 1, d_model)
 
 
+@functools.lru_cache(maxsize=16)
+def _later_keys(t: int, s: int, device: torch.device) -> Tensor:
+    """(t, s) boolean, True where key j comes after query i (j > i): the causal mask, built
+    once per shape and device and shared by every layer and step (never written to)."""
+    return torch.ones(t, s, dtype=torch.bool, device=device).triu_(1)
+
+
+def masked_scores(q: Tensor, k: Tensor, attn_mask: Tensor | None,
+                  is_causal: bool = False) -> Tensor:
+    """q k^T / sqrt(d_k) with hidden keys at -inf: q (b, heads, t, d_k), k (b, heads, s,
+    d_k) -> (b, heads, t, s); `attn_mask` None or boolean broadcastable to that, True = may
+    attend; `is_causal` also hides later keys. The scores are a fresh tensor, so the masks
+    are applied in place (autograd-safe: the scaling's backward does not read its output)."""
+    scores = q @ k.transpose(-1, -2) * q.size(-1) ** -0.5  # (b, heads, t, s)
+    if is_causal:
+        scores.masked_fill_(_later_keys(*scores.shape[-2:], q.device), float("-inf"))
+    if attn_mask is not None:
+        scores.masked_fill_(attn_mask.logical_not(), float("-inf"))
+    return scores
+
+
 def attention_weights(q: Tensor, k: Tensor, attn_mask: Tensor | None, dtype: torch.dtype
                       ) -> Tensor:
     """softmax(q k^T / sqrt(d_k)) written out, for when the weights themselves are wanted
     (attention plots): q (b, heads, t, d_k), k (b, heads, s, d_k), `attn_mask` None or
     boolean broadcastable to (b, heads, t, s), True = may attend. Softmax in float32,
     returned as `dtype`: (b, heads, t, s)."""
-    scores = q @ k.transpose(-1, -2) * q.size(-1) ** -0.5  # (b, heads, t, s)
-    if attn_mask is not None:
-        scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
-    return scores.float().softmax(dim=-1).to(dtype)
+    return masked_scores(q, k, attn_mask).float().softmax(dim=-1).to(dtype)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
@@ -156,13 +176,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
     if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
                                               dropout_p=dropout_p, is_causal=is_causal)
-    scores = q @ k.transpose(-1, -2) * q.size(-1) ** -0.5  # (b, heads, t, s)
-    if is_causal:
-        t, s = scores.shape[-2:]
-        later = torch.ones(t, s, dtype=torch.bool, device=q.device).triu_(1)  # (t, s)
-        scores = scores.masked_fill(later, float("-inf"))
-    if attn_mask is not None:
-        scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
+    scores = masked_scores(q, k, attn_mask, is_causal)  # (b, heads, t, s)
     wide = torch.promote_types(scores.dtype, torch.float32)  # bf16/fp16 -> fp32
     probs = torch.softmax(scores, dim=-1, dtype=wide).to(v.dtype)  # (b, heads, t, s)
     if dropout_p > 0.0:
@@ -183,10 +197,7 @@ def attend_one(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> Ten
     """
     if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
-    scores = q @ k.transpose(-1, -2) * q.size(-1) ** -0.5  # (b, heads, g, len)
-    if attn_mask is not None:
-        scores = scores.masked_fill_(attn_mask.logical_not(), float("-inf"))
-    return scores.softmax(dim=-1) @ v  # (b, heads, g, d_v)
+    return masked_scores(q, k, attn_mask).softmax(dim=-1) @ v  # (b, heads, g, d_v)
 
 
 class CrossAttention(nn.Module):

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import functools
 import os
 import platform
 
@@ -34,28 +33,19 @@ _M_MMAP_MAX = -4
 _done = False
 
 
-@functools.cache
-def _glibc() -> ctypes.CDLL | None:
-    """The C library when it is glibc on Linux (mallopt exists), else None."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
-
-
 def keep_freed_memory() -> bool:
     """Tell glibc malloc to reuse freed blocks instead of unmapping them (once per
     process). Returns whether it applied: False on non-glibc platforms, a no-op there."""
     global _done
     if _done:
         return True
-    libc = _glibc()
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
     try:
-        ok = (libc is not None and libc.mallopt(_M_MMAP_MAX, 0) == 1
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        ok = (libc.mallopt(_M_MMAP_MAX, 0) == 1
               and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1)
-    except AttributeError:
+    except (OSError, AttributeError):
         return False
     _done = ok
     return ok

@@ -138,7 +138,7 @@ class DecoderLayer(nn.Module):
         """Full-sequence pass over `x` (batch, tgt_len, d_model).
 
         Targets are right-padded, so the causal mask alone keeps every real position away
-        from padding (pads only ever follow it); SDPA applies it with is_causal=True.
+        from padding (pads only ever follow it); is_causal=True applies it, no mask tensor.
         """
         x = self.res_self.after(x, self.self_attn(self.res_self.before(x), is_causal=True))
         cross, _ = self.cross_attn(self.res_cross.before(x), cross_k, cross_v, cross_mask)

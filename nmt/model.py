@@ -3,9 +3,10 @@
 One weight matrix is shared by the source embedding, the target embedding and the output
 projection (section 3.4). Masks are built once per forward: source padding becomes one
 boolean SDPA mask reused by every encoder self-attention and decoder cross-attention layer,
-and is skipped entirely when the batch has no padding; the decoder's causal mask is SDPA's
-`is_causal`. Knowing whether a batch has padding costs one host sync per `encode()` unless
-the caller passes `has_pad` (the training loop may pass True to avoid it on GPU).
+and is skipped entirely when the batch has no padding; the decoder's causal mask is
+`is_causal` (SDPA's on GPU, one cached mask per shape on CPU). Knowing whether a batch has
+padding costs one host sync per `encode()` unless the caller passes `has_pad` (the training
+loop may pass True to avoid it on GPU).
 
 Incremental decoding (`init_state`, `decode_step`, `reorder_cache`) keeps a key/value cache
 organised by GROUP: the g rows of one sentence (its beam) share one copy of the
