@@ -115,6 +115,9 @@ def bench_train(kind: str, arch: str, vocab: int, n: int, nopad: bool = False) -
 def bench_decode(kind: str, arch: str, vocab: int, n_sent: int, beam: int, steps: int) -> float:
     """Beam-search-shaped incremental decoding: expand to B*beam, then `steps` steps each
     feeding argmax tokens and reordering rows within each sentence's beam. Sentences/s."""
+    if kind == "nmt":  # imported here: the fairseq side runs in its own environment
+        from nmt.decoding import decode_step, init_state
+        from nmt.kv_cache import reorder_cache
     torch.manual_seed(0)
     pad = 0 if kind == "nmt" else 1
     model = build(kind, arch, vocab, pad).eval()
@@ -129,11 +132,11 @@ def bench_decode(kind: str, arch: str, vocab: int, n_sent: int, beam: int, steps
         start = clock()
         tokens = torch.full((n_sent * beam,), 2, dtype=torch.long)
         if kind == "nmt":
-            state = model.reorder_cache(model.init_state(model.encode(src)), expand)
+            state = reorder_cache(init_state(model, model.encode(src)), expand)
             for t in range(steps):
-                logits = model.decode_step(tokens, state)
+                logits = decode_step(model, tokens, state)
                 tokens = logits.argmax(-1).clamp(min=4)
-                state = model.reorder_cache(state, orders[t])
+                state = reorder_cache(state, orders[t])
         else:
             enc = model.encoder(src, src_lengths=src.ne(pad).sum(1))
             enc = model.encoder.reorder_encoder_out(enc, expand)

@@ -1,4 +1,11 @@
-"""Translation speed: `nmt translate` vs fairseq's generator, same weights, CPU, beam 4.
+"""Translation speed: `nmt translate` vs CTranslate2 and fairseq, same weights, CPU, beam 4.
+
+Rows: nmt fp32, `auto`, `int8` (nmt/int8_linear.py) and fp32 unpacked; CTranslate2 float32
+and int8 (the checkpoint exported with `nmt export ct2`, run by bench/ct2_translate_speed.py
+in bench/.venv-ct2, its `score_batch` log-probs checked against nmt's first); fairseq (below).
+A peer whose virtual environment is absent is skipped with a note. `--repeats N` runs every
+system once per round, interleaved, and keeps each one's fastest round (wall and CPU time):
+on a shared machine compare sentences per CPU-second. `--smoke`: 40 sentences, nmt only.
 
 Measures sentences/s and target tokens/s (EOS included) over the 1,000 Multi30k test
 sentences (test_2016_flickr.en) with beam 4, length penalty 0.6, max length 0*src + 50,
@@ -65,6 +72,7 @@ sys.path.insert(0, str(REPO))
 from nmt import packed_linear  # noqa: E402
 from nmt.checkpoint import FORMAT, load_model, save_checkpoint  # noqa: E402
 from nmt.config import DecodeConfig, model_preset  # noqa: E402
+from nmt.errors import UsageError  # noqa: E402
 from nmt.model import Transformer  # noqa: E402
 from nmt.precision import resolve_precision  # noqa: E402
 from nmt.translate import Translator, translate_stream  # noqa: E402
@@ -72,6 +80,7 @@ from nmt.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab, train_vocab  # noqa
 
 DATA = Path(os.environ.get("NMT_SHARED_DATA", REPO.parent / "shared" / "data")) / "multi30k"
 FAIRSEQ_PY = REPO / "bench" / ".venv-fairseq" / "bin" / "python"
+CT2_PY = REPO / "bench" / ".venv-ct2" / "bin" / "python"
 # fairseq index -> our index: <s> <pad> </s> <unk> then the same pieces.
 SPECIALS = [BOS_ID, PAD_ID, EOS_ID, UNK_ID]
 
@@ -191,13 +200,97 @@ def time_ours(checkpoint: Path, lines: list[str], refs: list[str], cfg: DecodeCo
     os.environ.pop("NMT_PACKED_LINEAR")
     packed_linear.available.cache_clear()
     return {"system": "nmt", "precision": precision, "packed_linears": packed,
-            "bleu": bleu(hyps, refs),
+            "bleu": bleu(hyps, refs), "hyps": hyps,
             "resolved_precision": resolve_precision(precision, torch.device("cpu")),
             "sentences": stats.sentences, "tgt_tokens": stats.tgt_tokens,
             "seconds": seconds, "sentences_per_s": stats.sentences / seconds,
             "tokens_per_s": stats.tgt_tokens / seconds, "cpu_seconds": cpu,
             "sentences_per_cpu_s": stats.sentences / cpu,
             "tokens_per_cpu_s": stats.tgt_tokens / cpu}
+
+
+
+def ct2_request(checkpoint: Path, lines: list[str], cfg: DecodeConfig, cache: Path
+                ) -> Path | None:
+    """Export `checkpoint` with `nmt export ct2` (float32 weights; CTranslate2 quantizes
+    at load time for int8) and write the helper's request: sources as pieces, search
+    settings, and a parity batch with nmt's teacher-forced per-token log-probs."""
+    try:
+        from nmt.export_ct2 import export_ct2
+    except ImportError:
+        return None
+    model_dir = cache / "ct2_model"
+    try:
+        export_ct2(checkpoint, model_dir, force=True)
+    except UsageError as err:  # ctranslate2 missing in this venv
+        print(f"ctranslate2 rows skipped: {err}", file=sys.stderr)
+        return None
+    model, vocab, _ = load_model(checkpoint, "cpu")
+    ids = [s[: model.cfg.max_positions - 1] for s in vocab.encode(lines)]
+    src, tgt = ids[:8], [ids[8 + r][:10] for r in range(8)]  # any targets do for parity
+    log_probs = []
+    with torch.no_grad():
+        for s, t in zip(src, tgt, strict=True):
+            lp = torch.log_softmax(model(torch.tensor([[*s, EOS_ID]]),
+                                         torch.tensor([[BOS_ID, *t]])).float(), -1)[0]
+            log_probs.append(lp.gather(1, torch.tensor([*t, EOS_ID])[:, None])[:, 0].tolist())
+    request = {"model_dir": str(model_dir), "sources": [vocab.pieces(s) for s in ids],
+               "check": {"sources": [vocab.pieces(s) for s in src],
+                         "targets": [vocab.pieces(t) for t in tgt], "log_probs": log_probs},
+               "beam": cfg.beam, "alpha": cfg.alpha, "max_len_b": cfg.max_len_b,
+               "max_tokens": cfg.max_tokens}
+    path = cache / "ct2_request.json"
+    path.write_text(json.dumps(request), encoding="utf-8")
+    return path
+
+
+def time_ct2(request: Path, threads: int, vocab: Vocab, refs: list[str]) -> dict[str, dict]:
+    """CTranslate2 float32 and int8 rows from the helper in bench/.venv-ct2."""
+    proc = subprocess.run([str(CT2_PY), str(REPO / "bench" / "ct2_translate_speed.py"),
+                           str(request), "--threads", str(threads)],
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"CTranslate2 side failed:\n{proc.stderr[-3000:]}")
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    piece_id = {p: i for i, p in enumerate(vocab.pieces(range(len(vocab))))}
+    for row in rows.values():
+        row["hyps"] = vocab.decode([[piece_id[p] for p in h] for h in row["hyps"]])
+        row["bleu"] = bleu(row["hyps"], refs)
+    return rows
+
+
+def time_fairseq(checkpoint: Path, lines: list[str], cfg: DecodeConfig, cache: Path,
+                 threads: int, refs: list[str]) -> dict[str, object]:
+    """The fairseq row from the helper in bench/.venv-fairseq."""
+    model, vocab, _ = load_model(checkpoint, "cpu")
+    export = cache / "fairseq_export.pt"
+    export_for_fairseq(model, vocab, lines, cfg, export)
+    env = dict(os.environ, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
+    proc = subprocess.run([str(FAIRSEQ_PY), str(REPO / "bench" / "fairseq_translate_speed.py"),
+                           str(export), "--threads", str(threads)], env=env,
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"fairseq side failed:\n{proc.stderr[-3000:]}")
+    fair = json.loads(proc.stdout.strip().splitlines()[-1])
+    fair["hyps"] = vocab.decode(fair.pop("hyps"))
+    fair["bleu"] = bleu(fair["hyps"], refs)
+    return fair
+
+
+def keep_best(best: dict[str, dict], name: str, row: dict) -> None:
+    """Keep the faster (wall time) of two timings of one system; CPU time is kept as the
+    minimum over repeats too."""
+    old = best.get(name)
+    if old is None:
+        best[name] = row
+        return
+    cpu = min(old["cpu_seconds"], row["cpu_seconds"])
+    if row["seconds"] < old["seconds"]:
+        best[name] = row
+    keep = best[name]
+    keep["cpu_seconds"] = cpu
+    keep["sentences_per_cpu_s"] = keep["sentences"] / cpu
+    keep["tokens_per_cpu_s"] = keep["tgt_tokens"] / cpu
 
 
 def main() -> None:
@@ -209,57 +302,90 @@ def main() -> None:
     parser.add_argument("--sentences", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="Rounds; every system once per round (interleaved), best kept.")
+    parser.add_argument("--systems", default="fp32,auto,int8,fp32_unpacked,ct2,fairseq",
+                        help="Comma list among fp32, auto, int8, fp32_unpacked, ct2, fairseq.")
     parser.add_argument("--skip-fairseq", action="store_true")
+    parser.add_argument("--skip-ct2", action="store_true")
+    parser.add_argument("--smoke", action="store_true",
+                        help="Cheap check: 40 sentences, one round, nmt rows only.")
     opts = parser.parse_args()
+    systems = opts.systems.split(",")
+    if opts.smoke:
+        opts.sentences, opts.repeats, systems = 40, 1, ["fp32", "auto", "int8"]
+    if opts.skip_fairseq or not FAIRSEQ_PY.exists():
+        systems = [s for s in systems if s != "fairseq"]
+    if opts.skip_ct2 or not CT2_PY.exists():
+        systems = [s for s in systems if s != "ct2"]
+    for peer, python in (("fairseq", FAIRSEQ_PY), ("ct2", CT2_PY)):
+        if peer in opts.systems.split(",") and peer not in systems and not opts.smoke:
+            print(f"{peer} rows skipped: {python} not found (see its helper's docstring)",
+                  file=sys.stderr)
     torch.set_num_threads(opts.threads)
+    opts.cache.mkdir(parents=True, exist_ok=True)
     checkpoint = opts.checkpoint or build_model(opts.cache, opts.vocab_size, opts.seed)
     lines = (DATA / "test_2016_flickr.en").read_text(encoding="utf-8").split("\n")
     lines = lines[: opts.sentences]
     refs = (DATA / "test_2016_flickr.de").read_text(encoding="utf-8").splitlines()
     cfg = DecodeConfig(beam=4, alpha=0.6, max_len_a=0.0, max_len_b=50,
                        max_tokens=opts.max_tokens, buffer_size=len(lines))
-    runs = {"fp32": time_ours(checkpoint, lines, refs, cfg, "fp32"),
-            "auto": time_ours(checkpoint, lines, refs, cfg, "auto"),
-            "fp32_unpacked": time_ours(checkpoint, lines, refs, cfg, "fp32", packed=False)}
-    for name, ours in runs.items():
-        print(f"nmt {name:>13} ({ours['resolved_precision']}): {ours['sentences_per_s']:.1f} "
-              f"sentences/s, {ours['tokens_per_s']:.0f} target tokens/s "
-              f"({ours['seconds']:.1f} s wall); {ours['sentences_per_cpu_s']:.1f} "
-              f"sentences/CPU-s ({ours['cpu_seconds']:.1f} CPU-s); BLEU {ours['bleu']}")
+    _, vocab, _ = load_model(checkpoint, "cpu")
+    request = None
+    if "ct2" in systems:
+        request = ct2_request(checkpoint, lines, cfg, opts.cache)
+        if request is None:
+            systems.remove("ct2")
+    nmt_runs = {"fp32": ("fp32", True), "auto": ("auto", True), "int8": ("int8", True),
+                "fp32_unpacked": ("fp32", False)}
+    best: dict[str, dict] = {}
+    for _ in range(opts.repeats):  # interleaved: A, B, C, A, B, C, ...
+        for name in systems:
+            if name in nmt_runs:
+                precision, packed = nmt_runs[name]
+                keep_best(best, name, time_ours(checkpoint, lines, refs, cfg, precision,
+                                                packed))
+            elif name == "ct2":
+                for compute_type, row in time_ct2(request, opts.threads, vocab, refs).items():
+                    keep_best(best, f"ct2_{compute_type}", row)
+            elif name == "fairseq":
+                keep_best(best, "fairseq", time_fairseq(checkpoint, lines, cfg, opts.cache,
+                                                        opts.threads, refs))
+    report(best, opts, checkpoint)
+
+
+def report(best: dict[str, dict], opts: argparse.Namespace, checkpoint: Path) -> None:
+    """The table (stdout), ratios against CTranslate2 and fairseq, and one JSON line."""
+    base = best.get("fp32", {}).get("hyps")
+    print(f"{'system':<24}{'sent/s':>9}{'sent/CPU-s':>12}{'tok/s':>9}{'BLEU':>7}"
+          f"{'same as nmt fp32':>18}")
+    for name, row in best.items():
+        label = name if row["system"] != "nmt" else \
+            f"nmt {name} ({row['resolved_precision']})"
+        same = "" if base is None else \
+            f"{sum(a == b for a, b in zip(row['hyps'], base, strict=True)) / len(base):.3f}"
+        row["same_as_nmt_fp32"] = same
+        print(f"{label:<24}{row['sentences_per_s']:>9.1f}{row['sentences_per_cpu_s']:>12.1f}"
+              f"{row['tokens_per_s']:>9.0f}{row['bleu']:>7.2f}{same:>18}")
     result: dict[str, object] = {"bench": "translate_speed", "checkpoint": str(checkpoint),
                                  "beam": 4, "alpha": 0.6, "max_len_b": 50,
-                                 "threads": opts.threads, "nmt": runs["auto"],
-                                 "nmt_fp32": runs["fp32"],
-                                 "nmt_fp32_unpacked": runs["fp32_unpacked"]}
-    if not opts.skip_fairseq:
-        model, vocab, _ = load_model(checkpoint, "cpu")
-        export = opts.cache / "fairseq_export.pt"
-        opts.cache.mkdir(parents=True, exist_ok=True)
-        export_for_fairseq(model, vocab, lines, cfg, export)
-        env = dict(os.environ, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
-        proc = subprocess.run([str(FAIRSEQ_PY), str(REPO / "bench" / "fairseq_translate_speed.py"),
-                               str(export), "--threads", str(opts.threads)], env=env,
-                              capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            raise SystemExit(f"fairseq side failed:\n{proc.stderr[-3000:]}")
-        fair = json.loads(proc.stdout.strip().splitlines()[-1])
-        fair["bleu"] = bleu(vocab.decode(fair.pop("hyps")), refs)
-        print(f"fairseq: {fair['sentences_per_s']:.1f} sentences/s, "
-              f"{fair['tokens_per_s']:.0f} target tokens/s ({fair['seconds']:.1f} s wall); "
-              f"{fair['sentences_per_cpu_s']:.1f} sentences/CPU-s "
-              f"({fair['cpu_seconds']:.1f} CPU-s); BLEU {fair['bleu']}; "
-              f"log-prob parity max |diff| {fair['logp_max_abs_diff']:.2e}")
-        labels = {"auto": ("nmt default (auto)", ""), "fp32": ("like for like (fp32)", "_fp32"),
-                  "fp32_unpacked": ("fp32, packing off", "_fp32_unpacked")}
-        for name, ours in runs.items():
-            ratio = ours["sentences_per_s"] / fair["sentences_per_s"]
-            cpu_ratio = ours["sentences_per_cpu_s"] / fair["sentences_per_cpu_s"]
-            label, suffix = labels[name]
-            print(f"speed-up, {label}: {ratio:.2f}x sentences/s wall, {cpu_ratio:.2f}x per "
-                  "CPU-second (target >= 1.5x)")
-            result[f"speedup_sentences{suffix}"] = ratio
-            result[f"speedup_sentences_cpu{suffix}"] = cpu_ratio
-        result["fairseq"] = fair
+                                 "threads": opts.threads, "repeats": opts.repeats,
+                                 "sentences": opts.sentences}
+    targets = [("int8", "ct2_int8"), ("fp32", "ct2_float32"), ("auto", "ct2_float32"),
+               ("auto", "fairseq"), ("fp32", "fairseq")]
+    for ours, peer in targets:
+        if ours in best and peer in best:
+            wall = best[ours]["sentences_per_s"] / best[peer]["sentences_per_s"]
+            cpu = best[ours]["sentences_per_cpu_s"] / best[peer]["sentences_per_cpu_s"]
+            print(f"nmt {ours} / {peer}: {wall:.2f}x sentences/s wall, {cpu:.2f}x per "
+                  "CPU-second (target >= 1.0x)" if peer.startswith("ct2") else
+                  f"nmt {ours} / {peer}: {wall:.2f}x sentences/s wall, {cpu:.2f}x per "
+                  "CPU-second")
+            result[f"speedup_{ours}_vs_{peer}"] = wall
+            result[f"speedup_cpu_{ours}_vs_{peer}"] = cpu
+    for row in best.values():
+        row.pop("hyps", None)
+    result.update({name: row for name, row in best.items()})
     result["load_average_1_5_15"] = list(os.getloadavg())
     print(json.dumps(result))
 

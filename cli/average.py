@@ -18,6 +18,9 @@ def command(
     last: int = typer.Option(None, "--last", show_default="every file given",
                              help="Average the N checkpoints of RUN_DIR with the highest "
                              "step stored inside them (paper: base 5, big 20)."),
+    weights: str = typer.Option("auto", "--weights", show_default=True,
+                                help="auto | raw | ema: average the EMA weights of runs "
+                                "trained with --ema-decay (auto: when every input has them)."),
 ) -> None:
     """Average model parameters (summed in float64) of several checkpoints of one run."""
     with handle_errors("average"):
@@ -33,7 +36,8 @@ def command(
                 raise UsageError(f"{dirs[0]} is a directory; pass --last N to pick its "
                                  "newest checkpoints, or list checkpoint files")
             paths = list(inputs)
-        summary = average_checkpoints(paths, output)
+        summary = average_checkpoints(paths, output, weights)
         steps = ", ".join(str(item["step"]) for item in summary["inputs"])
         console.print(f"nmt average: wrote {output} from {len(paths)} checkpoints "
-                      f"(steps {steps})", markup=False, soft_wrap=True)
+                      f"(steps {steps}; {summary['weights']} weights)", markup=False,
+                      soft_wrap=True)

@@ -23,9 +23,16 @@ def command(
                                "BPE; 0 = every line."),
     threads: int = typer.Option(_DEFAULTS.threads, "--threads", show_default=True,
                                 help="Threads for training and encoding; 0 = all cores."),
+    spm_from: Path | None = typer.Option(None, "--spm-from", show_default="none: learn a new "
+                                         "model", help="Encode with the sentencepiece model "
+                                         "stored in this nmt checkpoint (or a .model file) "
+                                         "instead of learning one, so the ids match that "
+                                         "model's (fine-tuning)."),
 ) -> None:
-    """Learn DATA/spm.model over train.src + train.tgt, then write DATA/bin/*.npy."""
+    """Learn DATA/spm.model over train.src + train.tgt (or take it from --spm-from), then
+    write DATA/bin/*.npy."""
     with handle_errors("bpe"):
-        cfg = BpeConfig(vocab_size=vocab_size, sample=sample, threads=threads)
+        cfg = BpeConfig(vocab_size=vocab_size, sample=sample, threads=threads,
+                        spm_from=spm_from)
         run_bpe(data, cfg, report=lambda message: console.print(f"nmt bpe: {message}",
                                                                 markup=False, soft_wrap=True))

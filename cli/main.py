@@ -1,4 +1,4 @@
-"""The Typer app: `nmt prep|bpe|train|average|translate|score`."""
+"""The Typer app: `nmt prep|bpe|train|average|translate|score|plot|export`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from cli import average, bpe, plot, prep, score, train, translate
+from cli import average, bpe, export, plot, prep, score, train, translate
 from nmt import __version__
 
 app = typer.Typer(
@@ -28,6 +28,8 @@ app.command("translate", help="Translate lines from stdin (or -i) with beam sear
 app.command("score", help="Score hypotheses against references (sacreBLEU, paper BLEU).")(
     score.command)
 app.command("plot", help="Plot a run's training curves as a PNG (needs nmt[plot]).")(plot.command)
+app.add_typer(export.app, name="export", help="Export a checkpoint for CTranslate2 (needs "
+              "nmt\\[ct2]).")
 
 
 def _version(value: bool) -> None:

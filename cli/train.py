@@ -15,25 +15,19 @@ from pathlib import Path
 import typer
 
 from cli.common import console, handle_errors
-from nmt.config import MODEL_PRESETS, PRECISIONS, ModelConfig, TrainConfig
+from cli.progress import RichTrainProgress
+from nmt.config import (
+    DEFAULT_ARCH,
+    DEVICES,
+    MODEL_PRESETS,
+    PRECISIONS,
+    SETTABLE_MODEL_FIELDS,
+    DecodeConfig,
+    ModelConfig,
+    TrainConfig,
+)
 from nmt.errors import UsageError
 from nmt.train.settings import resolve
-
-_MODEL_FLAGS = (
-    "encoder_layers",
-    "decoder_layers",
-    "d_model",
-    "d_ff",
-    "heads",
-    "d_k",
-    "d_v",
-    "dropout",
-    "attention_dropout",
-    "activation_dropout",
-    "learned_positions",
-    "max_positions",
-    "pre_norm",
-)
 
 _T = TrainConfig()
 _M = ModelConfig()
@@ -66,7 +60,7 @@ def command(
     arch: str = typer.Option(
         None,
         "--arch",
-        show_default="the recipe's, else base",
+        show_default=f"the recipe's, else {DEFAULT_ARCH}",
         help=f"Model preset: {', '.join(MODEL_PRESETS)}.",
     ),
     # --- model knobs (None: the preset's value) ---
@@ -194,7 +188,34 @@ def command(
         None,
         "--valid-bleu/--no-valid-bleu",
         show_default=str(_T.valid_bleu),
-        help="Also greedy-decode the valid split for sacreBLEU.",
+        help="Also decode the valid split: sacreBLEU and chrF.",
+    ),
+    valid_beam: int = typer.Option(
+        None,
+        "--valid-beam",
+        show_default=f"translate's beam ({DecodeConfig().beam})",
+        help="Beam for --valid-bleu decoding; 1 = greedy (faster).",
+    ),
+    best_metric: str = typer.Option(
+        None,
+        "--best-metric",
+        show_default=str(_T.best_metric),
+        help="loss | bleu | chrf: the validation score that picks RUN/checkpoint_best.pt "
+        "(bleu/chrf decode the valid split).",
+    ),
+    patience: int = typer.Option(
+        None,
+        "--patience",
+        show_default=str(_T.patience),
+        help="Stop after this many validations in a row without a better --best-metric; "
+        "0 = never.",
+    ),
+    ema_decay: float = typer.Option(
+        None,
+        "--ema-decay",
+        show_default=str(_T.ema_decay),
+        help="Keep an exponential moving average of the weights (e.g. 0.9999), validated "
+        "and saved beside them; translate/average use it by default. 0 = off.",
     ),
     log_interval: int = typer.Option(
         None,
@@ -208,8 +229,25 @@ def command(
         show_default=str(_T.max_nonfinite_in_a_row),
         help="Abort (exit 7) after this many skipped non-finite updates in a row.",
     ),
+    # --- fine-tuning ---
+    init_from: Path = typer.Option(
+        None,
+        "--init-from",
+        show_default="off",
+        help="Start a new run from this model (a checkpoint, checkpoint_best.pt or an "
+        "average): same vocabulary (nmt bpe DATA --spm-from MODEL) and architecture.",
+    ),
+    reset_optimizer: bool = typer.Option(
+        False,
+        "--reset-optimizer",
+        show_default=True,
+        help="With --init-from: fresh Adam state and learning-rate schedule (warm-up again) "
+        "instead of the model file's.",
+    ),
     # --- devices and processes ---
-    device: str = typer.Option("auto", "--device", show_default=True, help="auto, cpu or cuda."),
+    device: str = typer.Option(
+        DEVICES[0], "--device", show_default=True, help=f"{', '.join(DEVICES)}."
+    ),
     gpus: int = typer.Option(
         1,
         "--gpus",
@@ -251,7 +289,7 @@ def command(
             raise UsageError("--gpus needs --device cuda or auto; use --nproc for CPU")
         if nnodes > 1 and not rdzv_endpoint:
             raise UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT")
-        model_flags = {k: flags[k] for k in _MODEL_FLAGS}
+        model_flags = {k: flags[k] for k in SETTABLE_MODEL_FIELDS}
         train_flags = {f.name: flags[f.name] for f in dataclasses.fields(TrainConfig)}
         model_cfg, train_cfg, sources = resolve(data, arch, model_flags, train_flags)
         if sources:
@@ -264,8 +302,10 @@ def command(
                 markup=False,
                 soft_wrap=True,
             )
-        if device not in ("auto", "cpu", "cuda"):
-            raise UsageError(f"unknown --device {device!r}; choose one of: auto, cpu, cuda")
+        if device not in DEVICES:
+            raise UsageError(
+                f"unknown --device {device!r}; choose one of: {', '.join(DEVICES)}"
+            )
         procs = max(gpus, nproc)
         if (procs > 1 or nnodes > 1) and not under_torchrun():
             code = relaunch(procs, sys.argv[1:], nnodes=nnodes, rdzv_endpoint=rdzv_endpoint)
@@ -277,11 +317,15 @@ def command(
                 model_cfg,
                 train_cfg,
                 device="cuda" if gpus > 1 and device == "auto" else device,
+                progress=RichTrainProgress(console),
+                init_from=init_from,
+                reset_optimizer=reset_optimizer,
             )
         if summary.last_checkpoint is not None:
             console.print(
                 f"nmt train: stopped at update {summary.step} (epoch "
-                f"{summary.epoch}); last checkpoint {summary.last_checkpoint}",
+                f"{summary.epoch}{', early stop' if summary.stopped_early else ''}); "
+                f"last checkpoint {summary.last_checkpoint}",
                 markup=False,
                 soft_wrap=True,
             )

@@ -60,21 +60,26 @@ def command(
     max_src_len: int = typer.Option(None, "--max-src-len", show_default="model positions "
                                     "- 1", help="Longer lines are truncated (with a "
                                     "warning), never dropped."),
-    errors: str = typer.Option("replace", "--errors", show_default=True,
+    errors: str = typer.Option(_D.errors, "--errors", show_default=True,
                                help="Invalid UTF-8: 'replace' (U+FFFD) or 'strict' (exit 3 "
                                "naming the line)."),
-    device: str = typer.Option("auto", "--device", show_default=True,
+    device: str = typer.Option(_D.device, "--device", show_default=True,
                                help="auto | cpu | cuda."),
-    precision: str = typer.Option("auto", "--precision", show_default=True,
-                                  help="auto | fp32 | bf16 | fp16 model weights. auto: bf16 "
+    precision: str = typer.Option(_D.precision, "--precision", show_default=True,
+                                  help="auto | fp32 | bf16 | fp16 | int8 model weights "
+                                  "(int8: CPU only, int8 linear layers, see README). auto: bf16 "
                                   "where the CPU (AVX512-BF16/AMX) or GPU computes it "
                                   "natively (fp16 on pre-Ampere GPUs), else fp32; as "
                                   "`train` does. Outputs may differ from fp32 in rounding "
                                   "only. On a CPU the linears run through oneDNN with "
                                   "packed weights (fp32 and bf16)."),
+    weights: str = typer.Option(_D.weights, "--weights", show_default=True,
+                                help="auto | raw | ema: which weights of a checkpoint "
+                                "trained with --ema-decay to use (auto: the EMA ones where "
+                                "the file has them)."),
     stats: bool = typer.Option(False, "--stats", show_default=True,
                                help="Print sentences/s and target tokens/s on stderr."),
-    seed: int = typer.Option(1, "--seed", show_default=True, help="Seed for --sampling."),
+    seed: int = typer.Option(_D.seed, "--seed", show_default=True, help="Seed for --sampling."),
     attention: Path = typer.Option(None, "--attention", show_default="off",
                                    help="Write DIR/NNNNNN.png per non-empty input line "
                                    "(1-based line number): a heatmap of the encoder-decoder "
@@ -99,7 +104,7 @@ def command(
                            temperature=temperature, top_k=top_k, top_p=top_p,
                            max_tokens=max_tokens, buffer_size=buffer_size)
         translator = Translator.load(models, cfg, device=device, precision=precision,
-                                     max_src_len=max_src_len, seed=seed)
+                                     max_src_len=max_src_len, seed=seed, weights=weights)
         observe = None
         if attention is not None:
             from nmt.attention_map import AttentionWriter

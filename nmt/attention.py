@@ -133,8 +133,12 @@ class SelfAttention(nn.Module):
 @functools.lru_cache(maxsize=16)
 def _later_keys(t: int, s: int, device: torch.device) -> Tensor:
     """(t, s) boolean, True where key j comes after query i (j > i): the causal mask, built
-    once per shape and device and shared by every layer and step (never written to)."""
-    return torch.ones(t, s, dtype=torch.bool, device=device).triu_(1)
+    once per shape and device and shared by every layer and step (never written to).
+    Always a normal tensor, even when first asked for under torch.inference_mode (e.g. a
+    translation inside a training process): an inference tensor cached here would make
+    every later training step that uses it fail in backward."""
+    with torch.inference_mode(False):
+        return torch.ones(t, s, dtype=torch.bool, device=device).triu_(1)
 
 
 def masked_scores(q: Tensor, k: Tensor, attn_mask: Tensor | None,

@@ -1,13 +1,13 @@
 """Encoder-decoder attention maps of a finished translation (`nmt translate --attention`).
 
 The map is computed AFTER the search, by teacher-forcing the chosen hypothesis through the
-model's incremental decoder with `need_attention=True`: `init_state`, then `decode_step`
-over [BOS] + hypothesis pieces, one step per output piece. Step i predicts output piece i
-(the last step predicts EOS), so row i of the map is "where the decoder looked while
-producing output piece i". This keeps the plot independent of the search internals
-(beam reordering, early stopping, batching) and costs one extra decoder pass per sentence,
-paid only when maps are asked for. PNGs (nmt/plot.py) are written atomically, one per
-non-empty input line, named by the 1-based input line number.
+model's incremental decoder (nmt/decoding.py) with `need_attention=True`: `init_state`,
+then `decode_step` over [BOS] + hypothesis pieces, one step per output piece. Step i
+predicts output piece i (the last step predicts EOS), so row i of the map is "where the
+decoder looked while producing output piece i". This keeps the plot independent of the
+search internals (beam reordering, early stopping, batching) and costs one extra decoder
+pass per sentence, paid only when maps are asked for. PNGs (nmt/plot.py) are written
+atomically, one per non-empty input line, named by the 1-based input line number.
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from nmt.decoding import decode_step, init_state
 from nmt.errors import UsageError
 from nmt.model import Transformer
 from nmt.search import Hypothesis
-from nmt.vocab import BOS_ID, EOS_ID, Vocab
+from nmt.special_ids import BOS_ID, EOS_ID
+from nmt.vocab import Vocab
 
 HEAD_MODES = ("mean", "all")
 
@@ -59,9 +61,9 @@ def attention_maps(model: Transformer, vocab: Vocab, src_ids: Sequence[int],
     tgt_in = torch.tensor([BOS_ID, *hyp_ids], dtype=torch.long, device=device)  # (tgt_len,)
     rows: list[Tensor] = []
     with torch.inference_mode():
-        state = model.init_state(model.encode(src, has_pad=False), attention_layer=index)
+        state = init_state(model, model.encode(src, has_pad=False), attention_layer=index)
         for token in tgt_in:
-            model.decode_step(token.view(1), state, need_attention=True)  # token (1,)
+            decode_step(model, token.view(1), state, need_attention=True)  # token (1,)
             assert state.attention is not None
             rows.append(state.attention[0].float().cpu())  # (heads, src_len)
     weights = torch.stack(rows, dim=1)  # (heads, tgt_len, src_len)

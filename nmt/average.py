@@ -13,7 +13,15 @@ from typing import Any
 
 import torch
 
-from nmt.checkpoint import FORMAT, load_checkpoint, save_checkpoint
+from nmt.checkpoint import (
+    BEST,
+    FORMAT,
+    LAST,
+    load_checkpoint,
+    model_state,
+    save_checkpoint,
+    stored_step,
+)
 from nmt.errors import CheckpointError, DataError, UsageError
 
 
@@ -59,28 +67,23 @@ def average_state_dicts(states: Sequence[Mapping[str, torch.Tensor]],
 
 def checkpoint_steps(paths: Sequence[Path]) -> list[tuple[int, Path]]:
     """(stored step, path) of each checkpoint, read cheaply with mmap."""
-    found = []
-    for path in paths:
-        payload = load_checkpoint(path, mmap=True)
-        step = payload.get("step")
-        if not isinstance(step, int):
-            raise CheckpointError(f"{path}: stored step is not an integer ({step!r})")
-        found.append((step, Path(path)))
-    return found
+    return [(stored_step(path), Path(path)) for path in paths]
 
 
 def last_checkpoints(run_dir: Path, count: int) -> list[Path]:
     """The `count` checkpoints of `run_dir` with the highest stored steps, oldest first.
 
     The step is read from inside each file, never from its name; `checkpoint_last.pt`
-    counts only when no numbered file holds the same step.
+    counts only when no numbered file holds the same step; `checkpoint_best.pt` (a copy of
+    the weights of one validation) never does.
     """
     run_dir = Path(run_dir)
     if count < 1:
         raise UsageError(f"--last must be at least 1, got {count}")
     if not run_dir.is_dir():
         raise DataError(f"{run_dir}: no such run directory")
-    paths = sorted(run_dir.glob("checkpoint*.pt"), key=lambda p: (p.name == "checkpoint_last.pt",
+    paths = sorted((p for p in run_dir.glob("checkpoint*.pt") if p.name != BEST),
+                   key=lambda p: (p.name == LAST,
                                                                   p.name))
     by_step: dict[int, Path] = {}
     for step, path in checkpoint_steps(paths):
@@ -91,11 +94,14 @@ def last_checkpoints(run_dir: Path, count: int) -> list[Path]:
     return [by_step[s] for s in sorted(by_step)[-count:]]
 
 
-def average_checkpoints(paths: Sequence[Path], output: Path) -> dict[str, Any]:
+def average_checkpoints(paths: Sequence[Path], output: Path,
+                        weights: str = "auto") -> dict[str, Any]:
     """Average `paths` into `output` (atomic); returns the written payload's summary.
 
     Keeps vocab, model_config and meta of the newest input; drops optimizer and other
     training state, so the result is a model file for `translate`, not a resume point.
+    `weights`: raw, ema (runs trained with --ema-decay) or auto (ema when every input has
+    it, else raw); the output holds the averaged weights as its plain model.
     """
     if not paths:
         raise UsageError("nothing to average: no checkpoints given")
@@ -111,13 +117,18 @@ def average_checkpoints(paths: Sequence[Path], output: Path) -> dict[str, Any]:
             raise CheckpointError(f"{path}: vocabulary differs from {paths[0]}; "
                                   "average checkpoints of one training run only")
     names = [str(p) for p in paths]
-    model = average_state_dicts([p["model"] for p in payloads], names)
+    if weights == "auto":
+        weights = "ema" if all(p.get("ema") for p in payloads) else "raw"
+    states = [model_state(p, weights, path) for p, path in zip(payloads, paths, strict=True)]
+    model = average_state_dicts(states, names)
     newest = max(payloads, key=lambda p: p["step"])
     meta = dict(newest.get("meta") or {})
     meta["averaged_from"] = [{"path": str(p), "step": int(pl["step"])}
                              for p, pl in zip(paths, payloads, strict=True)]
+    meta["averaged_weights"] = weights
     result = {"format": FORMAT, "step": int(newest["step"]), "model_config":
               newest["model_config"], "vocab": newest["vocab"], "model": model, "meta": meta}
     Path(output).parent.mkdir(parents=True, exist_ok=True)
     save_checkpoint(result, Path(output))
-    return {"output": str(output), "step": result["step"], "inputs": meta["averaged_from"]}
+    return {"output": str(output), "step": result["step"], "inputs": meta["averaged_from"],
+            "weights": weights}

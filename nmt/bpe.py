@@ -2,8 +2,11 @@
 
 Steps, each skipped when DATA/bin/meta.json shows it done for the same inputs and settings:
 1. check every split's source and target have as many lines;
-2. train DATA/spm.model over train.src + train.tgt (sampled for big corpora);
-3. encode each split present (train, valid, test; both sides) into DATA/bin/*.npy.
+2. train DATA/spm.model over train.src + train.tgt (sampled for big corpora), or, with
+   `spm_from`, copy the sentencepiece model stored in an nmt checkpoint (or a .model file)
+   so that data for fine-tuning gets the parent model's ids;
+3. encode each split present (train, valid, test; both sides) into DATA/bin/*.npy, one
+   token line per text line (prep's per-corpus line ranges stay valid).
 meta.json is rewritten (atomically) after each step, so an interrupted run resumes.
 """
 
@@ -11,16 +14,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nmt.data.binarize import CHUNK_LINES, binarize_file, count_lines, side_paths, token_dtype
+from nmt.cores import available_cores
+from nmt.data.binarize import CHUNK_LINES, binarize_file, side_paths, token_dtype
 from nmt.data.dataset import BIN_DIR, META_FILE, SPM_MODEL
-from nmt.errors import DataError, UsageError
-from nmt.fileio import atomic_write_bytes, sha256_file
+from nmt.errors import CheckpointError, DataError, UsageError
+from nmt.fileio import atomic_write_bytes, count_lines, sha256_file
 from nmt.vocab import NORMALIZATION, Vocab, train_vocab
 
 META_FORMAT = "nmt-bin-v1"
@@ -37,8 +40,12 @@ class BpeConfig:
     threads: int = 0  # 0 = every core this process may use
     seed: int = 1  # sentencepiece's sampling seed
     chunk_lines: int = CHUNK_LINES
+    spm_from: Path | None = None  # a checkpoint (or .model) whose vocabulary to reuse
 
     def __post_init__(self) -> None:
+        if self.spm_from is not None and self.vocab_size is not None:
+            raise UsageError("--vocab-size and --spm-from exclude each other: the model's "
+                             "vocabulary is used as it is")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise UsageError(f"--vocab-size must be positive, got {self.vocab_size}")
         if self.sample < 0:
@@ -47,14 +54,6 @@ class BpeConfig:
             raise UsageError(f"--threads must be >= 0 (0 = all cores), got {self.threads}")
         if self.chunk_lines < 1:
             raise UsageError(f"chunk_lines must be positive, got {self.chunk_lines}")
-
-
-def available_cores() -> int:
-    """Cores this process may run on (respects taskset/cgroups affinity)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def _fingerprint(path: Path) -> dict[str, int]:
@@ -120,10 +119,65 @@ def _write_meta(path: Path, meta: dict[str, Any]) -> None:
     atomic_write_bytes(path, lambda handle: handle.write(text.encode("utf-8")))
 
 
-def _ensure_vocab(data_dir: Path, cfg: BpeConfig, vocab_size: int, threads: int,
+def spm_model_from(path: Path) -> bytes:
+    """The sentencepiece model (serialized proto) of an nmt checkpoint, read safely (no
+    pickled code runs), or of a `.model` file. CheckpointError (exit 6) for a checkpoint
+    that is unreadable, unsafe or carries no valid model; DataError for a bad .model."""
+    path = Path(path)
+    if path.suffix == ".model":
+        try:
+            proto = path.read_bytes()
+        except OSError as err:
+            raise DataError(f"{path}: cannot read ({err.strerror or err})") from err
+        try:
+            Vocab(proto)
+        except DataError as err:
+            raise DataError(f"{path}: {err}") from err
+        return proto
+    from nmt.checkpoint import load_checkpoint  # torch only when a checkpoint is read
+
+    proto = load_checkpoint(path, mmap=True).get("vocab")
+    if not isinstance(proto, (bytes, bytearray)):
+        raise CheckpointError(f"{path}: its vocab is not a sentencepiece model "
+                              f"(found {type(proto).__name__}); not an nmt checkpoint")
+    try:
+        Vocab(bytes(proto))
+    except DataError as err:
+        raise CheckpointError(f"{path}: {err}") from err
+    return bytes(proto)
+
+
+def _adopt_vocab(data_dir: Path, source: Path, old: dict[str, Any],
+                 report: Callable[[str], None]) -> tuple[Vocab, dict]:
+    """DATA/spm.model := the model inside `source` (a checkpoint or .model); also writes
+    the human-readable spm.vocab beside it, as training does."""
+    import sentencepiece as spm
+
+    proto = spm_model_from(source)
+    settings = {"spm_from": str(source.resolve()),
+                "spm_sha256": hashlib.sha256(proto).hexdigest()}
+    model_path = data_dir / SPM_MODEL
+    vocab = Vocab(proto)
+    if old.get("vocab_settings") == settings and model_path.is_file() \
+            and sha256_file(model_path) == settings["spm_sha256"]:
+        report(f"{model_path}: up to date ({len(vocab)} pieces, from {source})")
+        return vocab, settings
+    processor = spm.SentencePieceProcessor(model_proto=proto)
+    listing = "".join(f"{processor.id_to_piece(i)}\t{processor.get_score(i):g}\n"
+                      for i in range(len(vocab)))
+    atomic_write_bytes(model_path.with_suffix(".vocab"), lambda f: f.write(listing.encode()))
+    atomic_write_bytes(model_path, lambda f: f.write(proto))
+    report(f"{model_path}: the {len(vocab)}-piece model of {source}, not trained")
+    return vocab, settings
+
+
+def _ensure_vocab(data_dir: Path, cfg: BpeConfig, vocab_size: int | None, threads: int,
                   old: dict[str, Any], report: Callable[[str], None]) -> tuple[Vocab, dict]:
     """The current DATA/spm.model if `old` meta shows it made from these inputs and
     settings, else a newly trained one. Returns (vocab, settings to record)."""
+    if cfg.spm_from is not None:
+        return _adopt_vocab(data_dir, Path(cfg.spm_from), old, report)
+    assert vocab_size is not None, "run_bpe resolves the size before training"
     model_path = data_dir / SPM_MODEL
     train_inputs = [data_dir / f"train.{side}" for side in SIDES]
     settings = {"vocab_size": vocab_size, "sample": cfg.sample, "seed": cfg.seed,
@@ -170,8 +224,8 @@ def run_bpe(data_dir: Path, cfg: BpeConfig = BpeConfig(),
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise DataError(f"{data_dir}: no such directory; run `nmt prep` first")
-    vocab_size = cfg.vocab_size or _manifest_vocab_size(data_dir)
-    if vocab_size is None:
+    vocab_size = None if cfg.spm_from else cfg.vocab_size or _manifest_vocab_size(data_dir)
+    if vocab_size is None and cfg.spm_from is None:
         raise UsageError(f"{data_dir / 'manifest.json'} gives no vocab_size; pass "
                          "--vocab-size N")
     threads = cfg.threads or available_cores()

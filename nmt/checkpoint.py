@@ -14,10 +14,13 @@ from typing import Any, BinaryIO
 
 import torch
 
-from nmt.errors import CheckpointError, DataError
+from nmt.errors import CheckpointError, DataError, UsageError
 from nmt.fileio import atomic_write_bytes
 
 FORMAT = "nmt-checkpoint-v1"
+# File names inside a run directory: the newest checkpoint, and the best validated model.
+LAST = "checkpoint_last.pt"
+BEST = "checkpoint_best.pt"
 REQUIRED_KEYS = ("format", "step", "model_config", "vocab", "model")
 
 
@@ -101,17 +104,48 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu",
     return payload
 
 
-def load_model(path: Path, device: str | torch.device = "cpu") -> tuple[Any, Any, dict]:
-    """Rebuild (model in eval mode, Vocab, payload) from a checkpoint alone."""
+WEIGHTS: tuple[str, ...] = ("auto", "raw", "ema")
+
+
+def model_state(payload: dict[str, Any], weights: str = "auto",
+                path: Path | None = None) -> dict[str, torch.Tensor]:
+    """The state dict a checkpoint offers for `weights`: `raw`, `ema` (the averaged
+    parameters of `--ema-decay` over the raw buffers) or `auto` (ema where the file has
+    it, else raw)."""
+    if weights not in WEIGHTS:
+        raise UsageError(f"unknown weights {weights!r}; choose one of: {', '.join(WEIGHTS)}")
+    ema = payload.get("ema")
+    if weights == "raw" or (weights == "auto" and not ema):
+        return payload["model"]
+    if not ema:
+        raise CheckpointError(f"{path or 'checkpoint'}: holds no EMA weights (train with "
+                              "--ema-decay); use --weights raw")
+    return {**payload["model"], **ema["weights"]}
+
+
+def stored_step(path: Path) -> int:
+    """The step saved inside a checkpoint, read memory-mapped: only the small pickled
+    header is read, not the weights and optimizer state (tens of GB for big)."""
+    step = load_checkpoint(path, mmap=True)["step"]
+    if not isinstance(step, int):
+        raise CheckpointError(f"{path}: stored step is not an integer ({step!r})")
+    return step
+
+
+def load_model(path: Path, device: str | torch.device = "cpu",
+               weights: str = "auto") -> tuple[Any, Any, dict]:
+    """Rebuild (model in eval mode, Vocab, payload) from a checkpoint alone, with its
+    `weights` (see `model_state`: the EMA weights where it has them, by default)."""
     from nmt.config import ModelConfig
     from nmt.model import Transformer
     from nmt.vocab import Vocab
 
     payload = load_checkpoint(path)
+    state = model_state(payload, weights, path)
     try:
         config = ModelConfig.from_dict(payload["model_config"])
         model = Transformer(config)
-        model.load_state_dict(payload["model"])
+        model.load_state_dict(state)
     except Exception as err:
         raise CheckpointError(f"{path}: checkpoint does not fit the model ({err})") from err
     vocab = Vocab(payload["vocab"])

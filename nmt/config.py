@@ -8,7 +8,7 @@ rebuild the model.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from nmt.errors import UsageError
@@ -16,6 +16,10 @@ from nmt.errors import UsageError
 Precision = Literal["fp32", "bf16", "fp16", "auto"]
 # auto: bf16 where the hardware computes it natively, fp16 on older GPUs, else fp32.
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "auto")
+DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")  # auto: CUDA when a GPU is visible
+BEST_METRICS: tuple[str, ...] = ("loss", "bleu", "chrf")  # loss: lower is better
+# Decoding also offers int8 (CPU only: int8 linear layers, see nmt/int8_linear.py).
+DECODE_PRECISIONS: tuple[str, ...] = (*PRECISIONS, "int8")
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,11 @@ class ModelConfig:
         return _from_dict(cls, data)
 
 
+# The ModelConfig fields a user sets (flags, recipes); vocab_size and pad_id come from the data.
+SETTABLE_MODEL_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("vocab_size", "pad_id"))
+DEFAULT_ARCH = "base"  # the paper's base model, unless a recipe or --arch says otherwise
+
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     # For unit tests: trains in seconds on a CPU.
     "tiny": dict(encoder_layers=2, decoder_layers=2, d_model=64, d_ff=128, heads=4,
@@ -110,7 +119,8 @@ class TrainConfig:
     update_freq: int = 1  # micro-batches accumulated per update
     batch_tokens: int | None = None  # e.g. 25000: derive update_freq from world size
     max_len: int = 256  # training pairs with a longer side (tokens incl. EOS) are skipped
-    precision: Precision = "fp32"
+    precision: Precision = "auto"  # bf16 where native (Ampere+ GPU, bf16 CPU), fp16 on older
+    # GPUs, else fp32 (see nmt/precision.py)
     # Length of training (totals, not increments: a resumed run stops at the same place).
     max_updates: int = 100_000
     max_epochs: int = 0  # 0: no limit
@@ -119,9 +129,13 @@ class TrainConfig:
     save_interval_minutes: float = 10.0
     save_interval_updates: int = 0  # 0: only time-based saves
     keep_last: int = 20
-    # Validation and logging.
+    # Validation, the best model and early stopping, weight averaging, logging.
     valid_interval: int = 1000
-    valid_bleu: bool = False
+    valid_bleu: bool = False  # also decode the valid split: sacreBLEU and chrF
+    valid_beam: int = 0  # beam for that decoding; 0: translate's (DecodeConfig.beam), 1: greedy
+    best_metric: str = "loss"  # loss | bleu | chrf: decides checkpoint_best.pt
+    patience: int = 0  # stop after this many validations without improvement; 0: never
+    ema_decay: float = 0.0  # exponential moving average of the weights; 0: off
     log_interval: int = 50
     max_nonfinite_in_a_row: int = 20  # stop with an error after this many skipped steps
 
@@ -132,6 +146,19 @@ class TrainConfig:
         _check_positive(self, ("warmup", "max_tokens", "update_freq", "max_len", "keep_last",
                                "valid_interval", "log_interval", "max_nonfinite_in_a_row"))
         _check_probability("label_smoothing", self.label_smoothing)
+        _check_probability("ema_decay", self.ema_decay)
+        if self.best_metric not in BEST_METRICS:
+            raise UsageError(f"unknown best metric {self.best_metric!r}; choose one of: "
+                             f"{', '.join(BEST_METRICS)}")
+        if self.valid_beam < 0:
+            raise UsageError(f"valid-beam must be >= 0, got {self.valid_beam}")
+        if self.patience < 0:
+            raise UsageError(f"patience must be >= 0, got {self.patience}")
+
+    @property
+    def decode_valid(self) -> bool:
+        """Validation decodes the valid split (for BLEU/chrF, asked for or needed)."""
+        return self.valid_bleu or self.best_metric != "loss"
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for checkpoints and logs."""
@@ -157,9 +184,15 @@ class DecodeConfig:
     temperature: float = 1.0
     top_k: int = 0  # 0: no top-k filter
     top_p: float = 1.0  # 1.0: no nucleus filter
-    max_tokens: int = 8192  # source tokens per translation batch, padding included
+    max_tokens: int = 8192  # per batch: padded tokens of the (source) side, EOS included,
+    # as training's --max-tokens counts them (nmt.data.batching.batch_by_tokens)
     buffer_size: int = 2000  # lines read ahead and length-sorted before batching
-    extra: dict[str, Any] = field(default_factory=dict)
+    # How the model runs (nmt translate's flags; Translator.load's defaults).
+    device: str = "auto"  # see DEVICES
+    precision: str = "auto"  # see DECODE_PRECISIONS: bf16 where native, else fp32
+    weights: str = "auto"  # auto | raw | ema: a checkpoint's EMA weights where it has them
+    seed: int = 1  # for --sampling
+    errors: str = "replace"  # invalid UTF-8 input: replace (U+FFFD) | strict (exit 3)
 
     def __post_init__(self) -> None:
         _check_positive(self, ("beam", "nbest", "max_tokens", "buffer_size"))

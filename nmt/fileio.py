@@ -1,4 +1,5 @@
-"""File-system helpers every step shares: atomic outputs and hashing. Imports no torch.
+"""File-system helpers every step shares: atomic outputs, hashing, line counts. Imports no
+torch.
 
 Outputs are written to a temp file beside the target, fsynced, and renamed into place, so an
 interrupted run never leaves a half-written file under its final name, and a failed write
@@ -15,7 +16,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from nmt.errors import DataError
+
 CHUNK = 1 << 20  # bytes read per step when hashing or copying
+_COUNT_BYTES = 1 << 24  # bytes read per step when counting lines
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 
@@ -79,6 +83,19 @@ def sha256_file(path: Path) -> str:
         while block := handle.read(CHUNK):
             digest.update(block)
     return digest.hexdigest()
+
+
+def count_lines(path: Path) -> int:
+    """Number of lines as `wc -l` counts them, plus a last line without a newline."""
+    count, last = 0, b"\n"
+    try:
+        with open(path, "rb") as handle:
+            while block := handle.read(_COUNT_BYTES):
+                count += block.count(b"\n")
+                last = block[-1:]
+    except OSError as err:
+        raise DataError(f"{path}: cannot read ({err.strerror or err})") from err
+    return count + (last != b"\n")
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -9,8 +9,9 @@ but reorder the weight into oneDNN's blocked layout at every call; packing it on
 that too (16 rows x 8000 outputs: 231 -> 154 us; identical output).
 
 `pack_for_inference(model)` swaps every `nn.Linear` of a module for a `PackedLinear` holding
-the packed weight and, for a Transformer, gives it a packed output projection. The model is
-inference-only afterwards: its linear weights are packed snapshots (not parameters, not in
+the packed weight; the Transformer's output projection (the shared embedding matrix, not a
+linear layer) gets its packed copy from nmt/decoding.py, when `is_packed(model)`. The model
+is inference-only afterwards: its linear weights are packed snapshots (not parameters, not in
 `state_dict()`), so it must not be trained or saved. Results agree with `F.linear` to float
 rounding (max |diff| ~4e-6 on logits of order 10; accumulation order differs).
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -85,22 +87,29 @@ class PackedLinear(nn.Module):
 
 
 def pack_for_inference(model: nn.Module) -> int:
-    """Swap every `nn.Linear` in `model` (in place) for a `PackedLinear`, and give a model
-    with an `output_projection` slot (the Transformer) a packed copy of its output
-    weight. Only for CPU models in fp32 or bf16, when `available()`; the model must be in
-    its final dtype and device. Returns the number of layers packed (0: nothing done)."""
+    """Swap every `nn.Linear` in `model` (in place) for a `PackedLinear`. Only for CPU
+    models in fp32 or bf16, when `available()`; the model must be in its final dtype and
+    device. Returns the number of layers packed (0: nothing done)."""
     first = next(model.parameters(), None)
     if first is None or first.device.type != "cpu" or not available(first.dtype):
         return 0
+    return swap_linears(model, PackedLinear)
+
+
+def swap_linears(model: nn.Module, make: Callable[[Tensor, Tensor | None], nn.Module]) -> int:
+    """Replace every plain `nn.Linear` in `model`, in place, by `make(weight, bias)`;
+    returns how many were replaced."""
     count = 0
     with torch.no_grad():
         for module in list(model.modules()):
             for name, child in list(module.named_children()):
                 if type(child) is nn.Linear:
-                    setattr(module, name, PackedLinear(child.weight, child.bias))
+                    setattr(module, name, make(child.weight, child.bias))
                     count += 1
-        output_weight = getattr(model, "output_weight", None)
-        if hasattr(model, "output_projection") and isinstance(output_weight, Tensor):
-            model.output_projection = PackedLinear(output_weight, None)
-            count += 1
     return count
+
+
+def is_packed(model: nn.Module) -> bool:
+    """Whether `pack_for_inference` packed `model`'s linears: then a weight it uses outside
+    a linear layer (the Transformer's shared output projection) is worth packing too."""
+    return any(isinstance(module, PackedLinear) for module in model.modules())

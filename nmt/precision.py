@@ -6,6 +6,8 @@ import contextlib
 
 import torch
 
+from nmt.errors import UsageError
+
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -13,6 +15,8 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     """`auto` -> the fastest safe choice for `device`: bf16 where the hardware computes it
     natively (Ampere+ GPUs; CPUs with AVX512-BF16 or AMX), fp16 on older GPUs, else fp32
     (emulated bf16 on a CPU without it is slower than fp32). Other values pass through."""
+    if precision == "int8" and device.type != "cpu":
+        raise UsageError("--precision int8 is for CPUs; on a GPU use auto, bf16 or fp16")
     if precision != "auto":
         return precision
     if device.type == "cuda":
@@ -21,6 +25,20 @@ def resolve_precision(precision: str, device: torch.device) -> str:
             and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return "bf16"
     return "fp32"
+
+
+def grad_scaler(device: torch.device, enabled: bool) -> torch.amp.GradScaler:
+    """The dynamic loss scaler fp16 training needs (a disabled one otherwise), for `device`.
+
+    `torch.amp.GradScaler(device)` is torch >= 2.3; older releases only have the CUDA one
+    (fp16 training on a CPU then is a usage error).
+    """
+    if hasattr(torch.amp, "GradScaler"):
+        return torch.amp.GradScaler(device.type, enabled=enabled)
+    if device.type != "cuda" and enabled:
+        raise UsageError("fp16 training on a CPU needs torch >= 2.3; use --precision "
+                         "bf16 or fp32")
+    return torch.cuda.amp.GradScaler(enabled=enabled and device.type == "cuda")
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:

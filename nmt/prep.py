@@ -2,37 +2,36 @@
 
 Steps, each skipped when a previous run finished it: locate (mirror) or download every
 archive and verify it; extract the named tar members; write each split (training pairs
-cleaned, dev and test copied in order) through temp files renamed into place, and record
-line counts, cleaning counts and sha256s in OUT/manifest.json after every split. If a
-run fails before writing anything, the directories it created are removed again.
+cleaned, deduplicated and freed of dev/test sources; dev and test copied in order) through
+temp files renamed into place, and record line counts, per-corpus line ranges and weights,
+cleaning counts and sha256s in OUT/manifest.json after every split. If a run fails before
+writing anything, the directories it created are removed again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from nmt import __version__
-from nmt.data.clean import Counts, clean_pairs, without_line_breaks
-from nmt.data.download import (
-    LocalFile,
-    NullReporter,
-    Reporter,
-    VerifiedCache,
-    download,
-    locate_in_mirror,
-    verify,
-)
-from nmt.data.extract import extract_members, read_lines
-from nmt.errors import DataError
+from nmt.cores import available_cores
+from nmt.data.clean import Counts, PairCleaner, clean_pairs, without_line_breaks
+from nmt.data.dedup import DigestSet
+from nmt.data.download import NullReporter, Reporter
+from nmt.data.sources import ArchiveFiles
 from nmt.fileio import atomic_output, sha256_file
-from nmt.recipes import SPLITS, Corpus, Recipe, Source, load_recipe
+from nmt.recipes import SPLITS, Corpus, Recipe, load_recipe
 
 MANIFEST = "manifest.json"
+# Bumped whenever the same inputs and settings would give different output text, so data
+# prepared by an older nmt is redone. 2: Moses' Penn quote rules (` and '') now applied;
+# duplicates and dev/test sources removed from training data.
+PREP_VERSION = 2
+HELD_OUT = ("valid", "test")
 SIDES = ("src", "tgt")
 
 
@@ -41,14 +40,22 @@ def default_out(recipe: Recipe) -> Path:
     return Path("data") / recipe.name
 
 
-def prepare(recipe_ref: str, out: Path | None = None, mirror: Path | None = None,
-            workers: int = 1, reporter: Reporter | None = None) -> dict[str, Any]:
-    """Run every unfinished step of `recipe_ref` into `out`; return the manifest."""
-    recipe = load_recipe(recipe_ref)
+def prepare(recipe_ref: str | Recipe, out: Path | None = None, mirror: Path | None = None,
+            workers: int | None = None, reporter: Reporter | None = None,
+            report: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
+    """Run every unfinished step of a recipe (name, .toml path, or one built in memory,
+    e.g. by nmt.local_recipe.files_recipe) into `out`; return the manifest.
+
+    `workers`: processes cleaning the training text (None: every core this process may
+    use); the output is the same for any number. `report` receives one-line notes (a split
+    redone because its inputs or settings changed since the last run).
+    """
+    recipe = recipe_ref if isinstance(recipe_ref, Recipe) else load_recipe(recipe_ref)
     out = Path(out) if out is not None else default_out(recipe)
     existed = out.exists()
+    workers = available_cores() if workers is None else max(1, workers)
     try:
-        return _Prep(recipe, out, mirror, max(1, workers), reporter or NullReporter()).run()
+        return _Prep(recipe, out, mirror, workers, reporter or NullReporter(), report).run()
     except BaseException:
         if not existed and not (out / MANIFEST).exists():
             # Nothing finished: drop the verification cache too. Completed, verified
@@ -72,27 +79,42 @@ class _Prep:
     """One `nmt prep` run; holds the recipe, output directory and progress reporter."""
 
     def __init__(self, recipe: Recipe, out: Path, mirror: Path | None, workers: int,
-                 reporter: Reporter) -> None:
-        self.recipe, self.out, self.mirror = recipe, out, mirror
-        self.workers, self.reporter = workers, reporter
-        self.raw = out / "raw"
+                 reporter: Reporter, report: Callable[[str], None]) -> None:
+        self.recipe, self.out = recipe, out
+        self.workers, self.reporter, self.report = workers, reporter, report
         self.manifest = self._load_manifest()
+        self.sources = ArchiveFiles(recipe, out / "raw", mirror, reporter)
 
     def run(self) -> dict[str, Any]:
+        # Local files first: their sha256 is part of the fingerprints, so a run on other
+        # files (or changed ones) redoes the splits made from them.
+        self.sources.identify_local()
         todo = [s for s in SPLITS if not self._split_done(s)]
+        for split in todo:
+            if split in self.manifest["splits"]:
+                self.report(f"{split}: inputs or settings differ from the last run's; "
+                            "writing it again")
         if todo:
-            needed = sorted({src.archive for s in todo for c in self.recipe.splits[s]
+            self.sources.check_local_line_counts(c for s in todo for c in self.recipe.splits[s])
+            needed = sorted({src.archive for s in todo for c in self._inputs(s)
                              for src in (c.src, c.tgt)})
-            files = self._fetch([self.recipe.archives[a] for a in needed])
+            self.sources.fetch([self.recipe.archives[a] for a in needed])
+            self.manifest["archives"].update(self.sources.records)
             for split in todo:
-                self._write_split(split, files)
+                self._write_split(split)
+        # Archives no split of this recipe reads any more (a run on other files) go.
+        self.manifest["archives"] = {k: v for k, v in self.manifest["archives"].items()
+                                     if k in self.recipe.archives}
+        self._record_weights()
+        self._save_manifest(only_if_changed=True)
         return self.manifest
 
     # -- manifest and step fingerprints ------------------------------------------------
     def _load_manifest(self) -> dict[str, Any]:
         recipe = self.recipe
         base: dict[str, Any] = {
-            "recipe": recipe.name, "recipe_file": str(recipe.path),
+            "recipe": recipe.name,
+            "recipe_file": None if recipe.path is None else str(recipe.path),
             "recipe_sha256": recipe.digest, "src_lang": recipe.src_lang,
             "tgt_lang": recipe.tgt_lang, "vocab_size": recipe.vocab_size,
             "cleaning": asdict(recipe.cleaning), "created_by": f"nmt {__version__}",
@@ -106,16 +128,36 @@ class _Prep:
             base["archives"] = old.get("archives", {})
         return base
 
+    def _inputs(self, split: str) -> list[Corpus]:
+        """The corpora a split's output is made from: its own, and for train with
+        `remove_overlap` also dev and test (their sources are removed from it)."""
+        corpora = list(self.recipe.splits[split])
+        if split == "train" and self.recipe.cleaning.remove_overlap:
+            corpora += [c for s in HELD_OUT for c in self.recipe.splits[s]]
+        return corpora
+
     def _fingerprint(self, split: str) -> str:
-        """Everything a split's output depends on: its corpora, their archives' URLs and
-        checksums, and (for train) the cleaning rules."""
-        corpora = self.recipe.splits[split]
+        """Everything a split's text depends on: its input corpora, their archives' URLs
+        and checksums, and (for train) the cleaning rules. Not the weights: they change
+        the manifest only (see _record_weights)."""
+        corpora = self._inputs(split)
         used = sorted({s.archive for c in corpora for s in (c.src, c.tgt)})
-        data = {"corpora": [asdict(c) for c in corpora],
-                "archives": [asdict(self.recipe.archives[a]) for a in used],
+        data = {"corpora": [{"name": c.name, "src": asdict(c.src), "tgt": asdict(c.tgt)}
+                            for c in corpora],
+                "archives": [{**asdict(self.recipe.archives[a]),
+                              "local_sha256": self.sources.local_sha256(a)} for a in used],
                 "cleaning": asdict(self.recipe.cleaning) if split == "train" else None,
-                "version": 1}
+                "version": PREP_VERSION}
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+    def _record_weights(self) -> None:
+        """Copy the recipe's corpus weights into the manifest's corpus entries (a weight
+        changes how training samples, not the prepared text)."""
+        for split, corpora in self.recipe.splits.items():
+            entries = self.manifest["splits"].get(split, {}).get("corpora", [])
+            for entry, corpus in zip(entries, corpora, strict=False):
+                if isinstance(entry, dict) and entry.get("name") == corpus.name:
+                    entry["weight"] = corpus.weight
 
     def _split_done(self, split: str) -> bool:
         entry = self.manifest["splits"].get(split)
@@ -128,97 +170,37 @@ class _Prep:
                 return False
         return True
 
-    def _save_manifest(self) -> None:
+    def _save_manifest(self, only_if_changed: bool = False) -> None:
         text = json.dumps(self.manifest, indent=2, ensure_ascii=False) + "\n"
-        with atomic_output(self.out / MANIFEST) as tmp:
+        path = self.out / MANIFEST
+        if only_if_changed:
+            try:
+                if path.read_text("utf-8") == text:
+                    return
+            except OSError:
+                pass
+        with atomic_output(path) as tmp:
             tmp.write_text(text, "utf-8")
 
-    # -- archives ------------------------------------------------------------------------
-    def _fetch(self, archives: list) -> dict[str, LocalFile]:
-        """Locate or download, then verify, every archive; extract tar members."""
-        cache = VerifiedCache(self.raw / "verified.json")
-        if self.mirror is not None:
-            files = locate_in_mirror(archives, self.mirror)
-            for local in files.values():  # all verified before anything is written
-                checked = cache.get(local)
-                if checked is None:
-                    checked = verify(local, self.reporter)
-                    cache.put(local, checked)
-                self._record(local, checked)
-        else:
-            files = {}
-            for archive in archives:
-                dest = self.raw / "downloads" / archive.file_name
-                local = LocalFile(archive, dest, from_mirror=False)
-                if dest.is_file():
-                    checked = cache.get(local)
-                    if checked is None:
-                        checked = verify(local, self.reporter)
-                else:
-                    local, checked = download(archive, dest, self.reporter)
-                cache.put(local, checked)
-                files[archive.id] = local
-                self._record(local, checked)
-        cache.save()
-        return files
-
-    def _record(self, local: LocalFile, checked: dict) -> None:
-        self.manifest["archives"][local.archive.id] = {
-            "url": local.archive.url, "path": str(local.path),
-            "source": "mirror" if local.from_mirror else "download",
-            "uncompressed_copy": local.uncompressed, "verified": checked}
-
-    def _member_path(self, source: Source, files: dict[str, LocalFile]) -> tuple[Path, bool]:
-        """Path to read for `source` and whether it is gzipped; extracts tars on demand."""
-        local = files[source.archive]
-        if source.member is None:
-            return local.path, local.gzipped
-        dest = self.raw / "extract" / source.archive
-        wanted = sorted({s.member for c in self.recipe.splits.values() for corpus in c
-                         for s in (corpus.src, corpus.tgt)
-                         if s.archive == source.archive and s.member})
-        stamp = dest / ".extracted.json"
-        ident = {"archive": str(local.path), "size": local.path.stat().st_size,
-                 "mtime_ns": local.path.stat().st_mtime_ns, "members": wanted}
-        try:
-            done = json.loads(stamp.read_text("utf-8")) == ident
-        except (OSError, ValueError):
-            done = False
-        if not done:
-            self.reporter.start(f"extract {local.path.name}", None)
-            try:
-                extract_members(local.path, set(wanted), dest)
-            finally:
-                self.reporter.done()
-            stamp.write_text(json.dumps(ident), "utf-8")
-        return dest / source.member, False
-
     # -- splits --------------------------------------------------------------------------
-    def _corpus_pairs(self, corpus: Corpus, files: dict[str, LocalFile], strict: bool
-                      ) -> Iterator[tuple[str, str]]:
-        """Lines of both sides in lockstep; DataError if their counts differ."""
-        (src_path, src_gz), (tgt_path, tgt_gz) = (self._member_path(corpus.src, files),
-                                                  self._member_path(corpus.tgt, files))
-        src_lines = read_lines(src_path, src_gz, strict, corpus.src.format)
-        tgt_lines = read_lines(tgt_path, tgt_gz, strict, corpus.tgt.format)
-        n = 0
-        sentinel = object()
-        while True:
-            src, tgt = next(src_lines, sentinel), next(tgt_lines, sentinel)
-            if src is sentinel or tgt is sentinel:
-                if src is not tgt:
-                    short = src_path if src is sentinel else tgt_path
-                    raise DataError(f"{short}: ends after {n} lines but its pair "
-                                    f"{tgt_path if short == src_path else src_path} goes "
-                                    f"on; corpus {corpus.name!r} is not parallel")
-                return
-            n += 1
-            yield src, tgt  # type: ignore[misc]
-
-    def _write_split(self, split: str, files: dict[str, LocalFile]) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
+    def _held_out_sources(self) -> frozenset[str]:
+        """Dev and test source sentences, normalized as training sources are."""
         recipe = self.recipe
-        corpora_counts: dict[str, Any] = {}
+        if not recipe.cleaning.remove_overlap:
+            return frozenset()
+        cleaner = PairCleaner(recipe.cleaning, recipe.src_lang, recipe.tgt_lang)
+        return frozenset(cleaner.normalize(src, 0) for split in HELD_OUT
+                         for corpus in recipe.splits[split]
+                         for src, _ in self.sources.corpus_pairs(corpus, strict=True))
+
+    def _write_split(self, split: str) -> None:
+        """Write OUT/{split}.src/.tgt atomically and record the split in the manifest."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        recipe, train = self.recipe, split == "train"
+        held_out = self._held_out_sources() if train else frozenset()
+        seen = DigestSet()  # training pairs written so far, across corpora (dedup)
+        corpora: list[dict[str, Any]] = []
+        counts: dict[str, Any] = {}
         total = Counts()
         paths = {side: self.out / f"{split}.{side}" for side in SIDES}
         digests = {side: hashlib.sha256() for side in SIDES}
@@ -228,13 +210,14 @@ class _Prep:
             with atomic_output(paths["src"]) as tmp_src, atomic_output(paths["tgt"]) as tmp_tgt:
                 with open(tmp_src, "wb") as f_src, open(tmp_tgt, "wb") as f_tgt:
                     for corpus in recipe.splits[split]:
-                        pairs = self._corpus_pairs(corpus, files, strict=split != "train")
-                        if split == "train":
-                            counts = Counts()
+                        start, corpus_counts = lines, Counts()
+                        pairs = self.sources.corpus_pairs(corpus, strict=not train)
+                        if train:
                             pairs = clean_pairs(pairs, recipe.cleaning, recipe.src_lang,
-                                                recipe.tgt_lang, counts, self.workers)
+                                                recipe.tgt_lang, corpus_counts, self.workers,
+                                                held_out=held_out, seen=seen)
                         for src, tgt in pairs:
-                            if split != "train":
+                            if not train:
                                 src, tgt = without_line_breaks(src), without_line_breaks(tgt)
                             for side, text, handle in (("src", src, f_src),
                                                        ("tgt", tgt, f_tgt)):
@@ -244,18 +227,18 @@ class _Prep:
                             lines += 1
                             if lines % 10000 == 0:
                                 self.reporter.advance(10000)
-                        if split == "train":
-                            total.add(counts)
-                            corpora_counts[corpus.name] = counts.to_dict()
+                        corpora.append({"name": corpus.name, "start": start,
+                                        "lines": lines - start, "weight": corpus.weight})
+                        if train:
+                            total.add(corpus_counts)
+                            counts[corpus.name] = corpus_counts.to_dict()
         finally:
             self.reporter.done()
         entry: dict[str, Any] = {
-            "lines": lines, "fingerprint": self._fingerprint(split),
-            "corpora": [c.name for c in recipe.splits[split]],
+            "lines": lines, "fingerprint": self._fingerprint(split), "corpora": corpora,
             **{side: {"file": paths[side].name, "sha256": digests[side].hexdigest(),
                       "bytes": paths[side].stat().st_size} for side in SIDES}}
-        if split == "train":
-            entry["cleaning_counts"] = {"total": total.to_dict(), **corpora_counts}
+        if train:
+            entry["cleaning_counts"] = {"total": total.to_dict(), **counts}
         self.manifest["splits"][split] = entry
         self._save_manifest()
-

@@ -2,9 +2,11 @@
 
 Everything here works on a `StepDecoder`: something that, given the newest token of every
 row, returns next-token log-probabilities, and that can reorder its rows. The model adapter
-(`ModelStepDecoder`) encodes the source once and then feeds the incremental decoder (key/value
-cache); `EnsembleStepDecoder` averages several of them. Tests drive the same search with a
-fake decoder whose probabilities are a hand-written table.
+(`ModelStepDecoder`, nmt/decoding.py) encodes the source once and then feeds the incremental
+decoder; `EnsembleStepDecoder` averages several step decoders. Tests drive the same search
+with a fake decoder whose probabilities are a hand-written table. Imports torch and the
+special ids only: the settings (beam, alpha, lengths) come from the caller, whose defaults
+live in `nmt.config.DecodeConfig`.
 
 Conventions (documented in `nmt translate --help`):
 - A hypothesis is `pieces + [EOS]`; its length |Y| for the length penalty COUNTS the EOS
@@ -13,7 +15,7 @@ Conventions (documented in `nmt translate --help`):
 - Maximum output length of a sentence = floor(max_len_a * src_len + max_len_b) pieces
   (src_len = its own non-pad source tokens incl. EOS, never the padded batch length),
   capped by what the model's positions allow; at that length EOS is forced.
-- Minimum output length `min_len` pieces (default 1, as fairseq's): EOS is forbidden
+- Minimum output length `min_len` pieces (1 by default, as fairseq's): EOS is forbidden
   before it, so a non-empty source never gets an empty translation (with alpha 0.6 a weak
   model's lone EOS, log P / 1, can outscore every real sentence, whose penalty divides
   a larger log P by lp > 1). The maximum length wins where the two conflict.
@@ -23,15 +25,14 @@ Conventions (documented in `nmt translate --help`):
 from __future__ import annotations
 
 import math
-import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from nmt.vocab import BOS_ID, EOS_ID, PAD_ID
+from nmt.special_ids import BOS_ID, EOS_ID, PAD_ID
 
 NEG_INF = float("-inf")
 # beam_search compacts the decoder once this fraction of its sentences has finished.
@@ -48,7 +49,11 @@ class Hypothesis:
 
 
 class StepDecoder(Protocol):
-    """Incremental next-token scorer over N rows (the search's only view of a model)."""
+    """Incremental next-token scorer over N rows (the search's only view of a model).
+
+    Two optional methods are used when present: `step_rows(tokens, rows, n_rows)` feeds
+    only some rows (see `step_rows`), `reserve(positions)` announces how many tokens at
+    most will be fed (the model adapter preallocates its caches)."""
 
     def step(self, tokens: Tensor) -> Tensor:
         """Feed the newest token of each row, (N,) long -> log-probs (N, V) float32."""
@@ -57,77 +62,6 @@ class StepDecoder(Protocol):
     def reorder(self, new_order: Tensor) -> None:
         """Keep rows `new_order` (N',) of the cached state, in that order (may repeat)."""
         ...
-
-
-# Per model: (key/value cache buffers, logits buffer) left by its last ModelStepDecoder.
-_POOLS: weakref.WeakKeyDictionary[Any, tuple[list[Tensor], Tensor | None]] = (
-    weakref.WeakKeyDictionary())
-
-
-class ModelStepDecoder:
-    """StepDecoder over a `Transformer`: encodes once, then decodes one token at a time.
-
-    The log-probabilities a step returns live in a buffer that the next step overwrites
-    (one (rows, V) allocation per search instead of two per step, each big enough to be
-    page-faulted in afresh): use them before the next `step`, or copy them. On CPU, when
-    the decoder is garbage-collected its logits buffer and key/value cache memory go to a
-    per-model pool that the next ModelStepDecoder of the same model takes over (a search
-    per batch thus maps that memory once; two live decoders never share it).
-    """
-
-    def __init__(self, model: Any, src: Tensor) -> None:
-        self.model = model
-        self.state = model.init_state(model.encode(src))
-        self._pool = _POOLS.pop(model, None) if src.device.type == "cpu" else None
-        self._buffer: Tensor | None = None if self._pool is None else self._pool[1]
-
-    def step(self, tokens: Tensor) -> Tensor:
-        """Next-token log-probabilities in float32 whatever the model's precision."""
-        return self._log_softmax(self.model.decode_step(tokens, self.state,
-                                                        out=self._out(tokens.numel())))
-
-    def step_rows(self, tokens: Tensor, rows: Tensor, n_rows: int) -> Tensor:
-        """Like `step` for rows `rows` (m,) of the `n_rows` only, `tokens` (m,) -> log-probs
-        (m, V); the other rows are finished for good (see `Transformer.decode_step`)."""
-        return self._log_softmax(self.model.decode_step(tokens, self.state, live=rows,
-                                                        out=self._out(tokens.numel())))
-
-    def reserve(self, positions: int) -> None:
-        """Preallocate the key/value caches for `positions` target tokens (in pooled
-        memory when a previous decoder left some)."""
-        buffers, self._pool = (None if self._pool is None else self._pool[0]), None
-        self.model.reserve_cache(self.state, positions, buffers)
-
-    def __del__(self) -> None:
-        """Leave the cache and logits memory to the model's next decoder (CPU only)."""
-        state = getattr(self, "state", None)
-        if state is None or state.consumed or state.padding_mask.device.type != "cpu":
-            return
-        buffers = self.model.release_cache(state)
-        if self._pool is not None:  # never reserved: keep what it was lent
-            buffers = buffers + self._pool[0]
-        _POOLS[self.model] = (buffers, self._buffer)
-
-    def _out(self, rows: int) -> Tensor | None:
-        """The reused logits buffer, grown to at least `rows` rows (model dtype); None when
-        the model's output projection is packed (it allocates its own output)."""
-        if getattr(self.model, "output_projection", None) is not None:
-            return None
-        weight = self.model.output_weight
-        if (self._buffer is None or self._buffer.size(0) < rows
-                or self._buffer.dtype != weight.dtype):
-            self._buffer = weight.new_empty(rows, weight.size(0))  # (rows, V)
-        return self._buffer
-
-    @staticmethod
-    def _log_softmax(logits: Tensor) -> Tensor:
-        """log_softmax over the vocabulary in float32, in place when already float32."""
-        logits = logits.float()  # (N, V); a copy only for bf16/fp16 models
-        return torch.log_softmax(logits, dim=-1, out=logits)
-
-    def reorder(self, new_order: Tensor) -> None:
-        """Select/duplicate rows of the key/value cache and the encoder mask."""
-        self.state = self.model.reorder_cache(self.state, new_order)
 
 
 class EnsembleStepDecoder:
@@ -162,6 +96,11 @@ class EnsembleStepDecoder:
         for decoder in self.decoders:
             decoder.reorder(new_order)
 
+    def reserve(self, positions: int) -> None:
+        """Pass the length limit on to every member that can use it."""
+        for decoder in self.decoders:
+            _reserve(decoder, positions)
+
 
 def step_rows(decoder: StepDecoder, tokens: Tensor, rows: Tensor, n_rows: int) -> Tensor:
     """Log-probs (m, V) of rows `rows` (m,) of a decoder holding `n_rows` rows, fed
@@ -179,13 +118,11 @@ def step_rows(decoder: StepDecoder, tokens: Tensor, rows: Tensor, n_rows: int) -
 
 
 def _reserve(decoder: StepDecoder, positions: int) -> None:
-    """Tell a decoder (or an ensemble's members) that at most `positions` tokens will be
-    fed, when it can use that (ModelStepDecoder preallocates its caches)."""
-    members = decoder.decoders if isinstance(decoder, EnsembleStepDecoder) else [decoder]
-    for member in members:
-        reserve = getattr(member, "reserve", None)
-        if reserve is not None:
-            reserve(positions)
+    """Tell a decoder that at most `positions` tokens will be fed, when it can use that
+    (the model adapter preallocates its caches; an ensemble tells its members)."""
+    reserve = getattr(decoder, "reserve", None)
+    if reserve is not None:
+        reserve(positions)
 
 
 def length_penalty(length: Tensor | float, alpha: float) -> Tensor:
@@ -223,8 +160,8 @@ def _restrict(log_probs: Tensor, at_max: Tensor | None, ban_eos: bool = False) -
     return log_probs
 
 
-def beam_search(decoder: StepDecoder, max_lens: Tensor, beam: int = 4, alpha: float = 0.6,
-                nbest: int = 1, min_len: int = 1) -> list[list[Hypothesis]]:
+def beam_search(decoder: StepDecoder, max_lens: Tensor, *, beam: int, alpha: float,
+                nbest: int, min_len: int) -> list[list[Hypothesis]]:
     """Batched beam search over B sentences x `beam`; returns up to `nbest` per sentence.
 
     `decoder` holds B rows on entry (one per sentence); it is expanded to B * beam here.
@@ -238,7 +175,6 @@ def beam_search(decoder: StepDecoder, max_lens: Tensor, beam: int = 4, alpha: fl
     """
     if beam < 1 or nbest < 1 or nbest > beam:
         raise ValueError(f"need 1 <= nbest ({nbest}) <= beam ({beam})")
-    device = max_lens.device
     n_sent = max_lens.numel()
     if n_sent == 0:
         return []
@@ -246,92 +182,159 @@ def beam_search(decoder: StepDecoder, max_lens: Tensor, beam: int = 4, alpha: fl
     _reserve(decoder, width)
     # The decoder keeps one row per sentence for step 0 (all beams hold the same BOS
     # prefix, so it is computed once) and is expanded to B * beam by step 0's reorder.
-
-    tokens = torch.full((n_sent, beam, width), PAD_ID, dtype=torch.long, device=device)
-    tokens[:, :, 0] = BOS_ID
-    scores = torch.full((n_sent, beam), NEG_INF, device=device)  # alive cumulative log P
-    scores[:, 0] = 0.0  # all beams start identical: expand only the first at step 0
-    fin = _Finished.empty(n_sent, nbest, width, device)
-    fallback = _Finished.empty(n_sent, 1, width, device)  # best alive so far
-    out = _Finished.empty(n_sent, nbest, width, device)
-    active = torch.arange(n_sent, device=device)  # original index of each current row
-    lens = max_lens.clone()
-    lens_host = set(max_lens.tolist())  # budgets of the rows still in the batch
-    # Finished sentences stay in the decoder (as dead groups of `beam` rows it skips) until
-    # a fraction COMPACT_AT of its groups is dead: then one compaction copies the caches,
-    # instead of one copy of every cache each step some sentence finishes.
-    n_groups = n_sent  # sentence groups the decoder holds, dead ones included
-    group = None  # (rows,) decoder group of each current row; None: row i is group i
-    slots = torch.arange(beam, device=device)  # (beam,)
-
+    beams = _Beams.start(max_lens, beam, nbest, width)
+    out = _Finished.empty(n_sent, nbest, width, max_lens.device)
     for t in range(width - 1):
-        n_rows = active.numel()
+        cand = _best_candidates(beams.next_log_probs(decoder, t, min_len), beams.scores)
+        beams.finish(cand, t, alpha)
+        keep_beam = beams.extend(cand, t)
+        beams.reorder_decoder(decoder, keep_beam, t)
+        if beams.retire(decoder, out, t, alpha):
+            return out.to_hypotheses(alpha)
+    if beams.active.numel():
+        out.store(beams.active, beams.fin, beams.fallback)
+    return out.to_hypotheses(alpha)
+
+
+@dataclass
+class _Candidates:
+    """The best 2 * beam continuations of each sentence, best first, each (rows, 2 * beam)."""
+
+    score: Tensor  # cumulative log P
+    parent: Tensor  # the beam each extends
+    token: Tensor  # the token it appends
+    is_eos: Tensor  # token == EOS
+
+
+def _best_candidates(log_probs: Tensor, scores: Tensor) -> _Candidates:
+    """Rank the continuations of log-probs (rows, beam, V) from beams scored `scores`
+    (rows, beam).
+
+    The best 2*beam of a sentence's beam*V candidates are among the best 2*beam of
+    each row (a row's cumulative score shifts all its candidates equally), so rank
+    per row first and add the beam scores to those few only: no (rows, beam*V) pass.
+    """
+    n_rows, beam, vocab = log_probs.shape
+    k = min(2 * beam, vocab)
+    row_top, row_tok = _row_topk(log_probs, k)  # (rows, beam, k)
+    cand = (scores.unsqueeze(-1) + row_top).view(n_rows, beam * k)  # (rows, beam*k)
+    top_scores, top_idx = cand.topk(min(2 * beam, beam * k), dim=1)  # (rows, 2beam)
+    src_beam = torch.div(top_idx, k, rounding_mode="floor")
+    top_tok = row_tok.view(n_rows, beam * k).gather(1, top_idx)  # (rows, 2beam)
+    return _Candidates(top_scores, src_beam, top_tok, top_tok == EOS_ID)
+
+
+@dataclass
+class _Beams:
+    """The state of one beam search over the sentences still in the batch (its rows), with
+    one method per part of a step.
+
+    Finished sentences stay in the decoder (as dead groups of `beam` rows it skips) until
+    a fraction COMPACT_AT of its groups is dead: then one compaction copies the caches,
+    instead of one copy of every cache each step some sentence finishes.
+    """
+
+    beam: int
+    tokens: Tensor  # (rows, beam, width): BOS, pieces, then PAD
+    scores: Tensor  # (rows, beam) alive cumulative log P, -inf where none
+    fin: _Finished  # (rows, nbest) best finished hypotheses
+    fallback: _Finished  # (rows, 1) best alive so far
+    active: Tensor  # (rows,) original index of each row's sentence
+    lens: Tensor  # (rows,) maximum output lengths
+    lens_host: set[int]  # budgets of the rows still in the batch, on the host
+    slots: Tensor  # (beam,) arange
+    n_groups: int  # sentence groups the decoder holds, dead ones included
+    group: Tensor | None = None  # (rows,) decoder group of each row; None: row i is group i
+    live: Tensor | None = None  # (rows * beam,) decoder rows fed this step (when grouped)
+
+    @classmethod
+    def start(cls, max_lens: Tensor, beam: int, nbest: int, width: int) -> _Beams:
+        """Every sentence at BOS, only its first beam alive (all beams are identical)."""
+        device, n_sent = max_lens.device, max_lens.numel()
+        tokens = torch.full((n_sent, beam, width), PAD_ID, dtype=torch.long, device=device)
+        tokens[:, :, 0] = BOS_ID
+        scores = torch.full((n_sent, beam), NEG_INF, device=device)
+        scores[:, 0] = 0.0  # all beams start identical: expand only the first at step 0
+        return cls(beam, tokens, scores, _Finished.empty(n_sent, nbest, width, device),
+                   _Finished.empty(n_sent, 1, width, device),
+                   torch.arange(n_sent, device=device), max_lens.clone(),
+                   set(max_lens.tolist()), torch.arange(beam, device=device), n_sent)
+
+    def next_log_probs(self, decoder: StepDecoder, t: int, min_len: int) -> Tensor:
+        """Feed step t's tokens; the restricted log-probs (rows, beam, V) of the next."""
+        beam, n_rows = self.beam, self.active.numel()
         if t == 0:
-            log_probs = decoder.step(tokens[:, 0, 0])  # (rows, V): one row per sentence
+            log_probs = decoder.step(self.tokens[:, 0, 0])  # (rows, V): one row per sentence
             log_probs = log_probs.repeat_interleave(beam, dim=0)  # (rows * beam, V)
-        elif group is None:
-            log_probs = decoder.step(tokens[:, :, t].reshape(-1))  # (rows * beam, V)
+        elif self.group is None:
+            log_probs = decoder.step(self.tokens[:, :, t].reshape(-1))  # (rows * beam, V)
         else:
-            live = (group.unsqueeze(1) * beam + slots).view(-1)  # (rows * beam,)
-            log_probs = step_rows(decoder, tokens[:, :, t].reshape(-1), live,
-                                  n_groups * beam)  # (rows * beam, V)
+            self.live = (self.group.unsqueeze(1) * beam + self.slots).view(-1)  # (rows*beam,)
+            log_probs = step_rows(decoder, self.tokens[:, :, t].reshape(-1), self.live,
+                                  self.n_groups * beam)  # (rows * beam, V)
         vocab = log_probs.size(-1)
-        at_max = (lens == t).repeat_interleave(beam) if t in lens_host else None  # (rows*beam,)
-        log_probs = _restrict(log_probs, at_max, t < min_len).view(n_rows, beam, vocab)
-        # The best 2*beam of a sentence's beam*V candidates are among the best 2*beam of
-        # each row (a row's cumulative score shifts all its candidates equally), so rank
-        # per row first and add the beam scores to those few only: no (rows, beam*V) pass.
-        k = min(2 * beam, vocab)
-        row_top, row_tok = _row_topk(log_probs, k)  # (rows, beam, k)
-        cand = (scores.unsqueeze(-1) + row_top).view(n_rows, beam * k)  # (rows, beam*k)
-        top_scores, top_idx = cand.topk(min(2 * beam, beam * k), dim=1)  # (rows, 2beam)
-        src_beam = torch.div(top_idx, k, rounding_mode="floor")
-        top_tok = row_tok.view(n_rows, beam * k).gather(1, top_idx)  # (rows, 2beam)
-        is_eos = top_tok == EOS_ID
+        at_max = ((self.lens == t).repeat_interleave(beam) if t in self.lens_host
+                  else None)  # (rows * beam,)
+        return _restrict(log_probs, at_max, t < min_len).view(n_rows, beam, vocab)
 
-        # Finish EOS candidates ranked within the top `beam` (|Y| = t pieces + EOS).
-        fin_ok = is_eos[:, :beam] & torch.isfinite(top_scores[:, :beam])  # (rows, beam)
-        new_tokens = _gather_rows(tokens, src_beam[:, :beam])  # (rows, beam, width)
+    def finish(self, cand: _Candidates, t: int, alpha: float) -> None:
+        """Finish the EOS candidates ranked within the top `beam` (|Y| = t pieces + EOS)."""
+        beam = self.beam
+        fin_ok = cand.is_eos[:, :beam] & torch.isfinite(cand.score[:, :beam])  # (rows, beam)
+        new_tokens = _gather_rows(self.tokens, cand.parent[:, :beam])  # (rows, beam, width)
         new_tokens[:, :, t + 1] = EOS_ID
-        new_logp = top_scores[:, :beam].masked_fill(~fin_ok, NEG_INF)
-        new_score = new_logp / length_penalty(t + 1, alpha).to(device)
-        fin = fin.merge(new_tokens, new_score, new_logp)
+        new_logp = cand.score[:, :beam].masked_fill(~fin_ok, NEG_INF)
+        new_score = new_logp / length_penalty(t + 1, alpha).to(new_logp.device)
+        self.fin = self.fin.merge(new_tokens, new_score, new_logp)
 
-        # The best `beam` non-EOS candidates stay alive.
-        scores, pick = top_scores.masked_fill(is_eos, NEG_INF).topk(beam, dim=1)  # (rows, beam)
-        keep_beam = src_beam.gather(1, pick)  # (rows, beam)
-        tokens = _gather_rows(tokens, keep_beam)
-        tokens[:, :, t + 1] = top_tok.gather(1, pick)
+    def extend(self, cand: _Candidates, t: int) -> Tensor:
+        """The best `beam` non-EOS candidates stay alive; returns the beam (rows, beam) each
+        of them extends."""
+        self.scores, pick = cand.score.masked_fill(cand.is_eos, NEG_INF).topk(
+            self.beam, dim=1)  # (rows, beam)
+        keep_beam = cand.parent.gather(1, pick)  # (rows, beam)
+        self.tokens = _gather_rows(self.tokens, keep_beam)
+        self.tokens[:, :, t + 1] = cand.token.gather(1, pick)
+        return keep_beam
+
+    def reorder_decoder(self, decoder: StepDecoder, keep_beam: Tensor, t: int) -> None:
+        """Give the decoder's rows the order of the beams that went on."""
+        beam, n_rows, device = self.beam, self.active.numel(), keep_beam.device
         if t == 0:  # expand B -> B * beam: every beam's state is the BOS one
             decoder.reorder(torch.arange(n_rows, device=device).repeat_interleave(beam))
-        elif group is None:
+        elif self.group is None:
             row_base = torch.arange(n_rows, device=device).unsqueeze(1) * beam  # (rows, 1)
             decoder.reorder((row_base + keep_beam).view(-1))  # (rows * beam,)
         else:  # dead groups keep their rows in place
-            order = torch.arange(n_groups * beam, device=device)  # (groups * beam,)
-            order[live] = (group.unsqueeze(1) * beam + keep_beam).view(-1)
+            assert self.live is not None
+            order = torch.arange(self.n_groups * beam, device=device)  # (groups * beam,)
+            order[self.live] = (self.group.unsqueeze(1) * beam + keep_beam).view(-1)
             decoder.reorder(order)
-        alive_ok = torch.isfinite(scores[:, :1])  # (rows, 1)
-        fallback = fallback.where(~alive_ok, tokens[:, :1], scores[:, :1], scores[:, :1])
 
-        bound = scores[:, 0] / length_penalty(lens + 1, alpha)  # (rows,)
-        done = (fin.score[:, -1] >= bound) | ~alive_ok.squeeze(1) | (lens <= t)
-        if bool(done.any()):  # the one host sync per step
-            idx = done.nonzero().squeeze(1)
-            out.store(active[idx], fin.select(idx), fallback.select(idx))
-            if bool(done.all()):
-                return out.to_hypotheses(alpha)
-            keep = (~done).nonzero().squeeze(1)
-            active, lens, scores = active[keep], lens[keep], scores[keep]
-            lens_host = set(lens.tolist())
-            tokens, fin, fallback = tokens[keep], fin.select(keep), fallback.select(keep)
-            group = keep if group is None else group[keep]  # (kept,)
-            if keep.numel() <= (1.0 - COMPACT_AT) * n_groups:  # compact: drop dead groups
-                decoder.reorder((group.unsqueeze(1) * beam + slots).view(-1))  # (kept * beam,)
-                n_groups, group = keep.numel(), None
-    if active.numel():
-        out.store(active, fin, fallback)
-    return out.to_hypotheses(alpha)
+    def retire(self, decoder: StepDecoder, out: _Finished, t: int, alpha: float) -> bool:
+        """Store the sentences that are done into `out` and drop them from the batch
+        (compacting the decoder when enough are gone); True when none is left."""
+        alive_ok = torch.isfinite(self.scores[:, :1])  # (rows, 1)
+        self.fallback = self.fallback.where(~alive_ok, self.tokens[:, :1], self.scores[:, :1],
+                                            self.scores[:, :1])
+        bound = self.scores[:, 0] / length_penalty(self.lens + 1, alpha)  # (rows,)
+        done = (self.fin.score[:, -1] >= bound) | ~alive_ok.squeeze(1) | (self.lens <= t)
+        if not bool(done.any()):  # the one host sync per step
+            return False
+        idx = done.nonzero().squeeze(1)
+        out.store(self.active[idx], self.fin.select(idx), self.fallback.select(idx))
+        if bool(done.all()):
+            return True
+        keep = (~done).nonzero().squeeze(1)
+        self.active, self.lens, self.scores = self.active[keep], self.lens[keep], self.scores[keep]
+        self.lens_host = set(self.lens.tolist())
+        self.tokens, self.fin = self.tokens[keep], self.fin.select(keep)
+        self.fallback = self.fallback.select(keep)
+        self.group = keep if self.group is None else self.group[keep]  # (kept,)
+        if keep.numel() <= (1.0 - COMPACT_AT) * self.n_groups:  # compact: drop dead groups
+            decoder.reorder((self.group.unsqueeze(1) * self.beam + self.slots).view(-1))
+            self.n_groups, self.group = keep.numel(), None  # (kept * beam,) rows above
+        return False
 
 
 TOPK_CHUNK = 64  # _row_topk's block size
@@ -439,17 +442,18 @@ def _cut(ids: list[int]) -> list[int]:
     return out
 
 
-def greedy_decode(decoder: StepDecoder, max_lens: Tensor, alpha: float = 0.0,
-                  min_len: int = 1) -> list[Hypothesis]:
-    """Pick the most probable token at each step until EOS or the maximum length."""
+def greedy_decode(decoder: StepDecoder, max_lens: Tensor, *, alpha: float, min_len: int
+                  ) -> list[Hypothesis]:
+    """Pick the most probable token at each step until EOS or the maximum length; `alpha`
+    only normalises the reported scores."""
     return _sample_like(decoder, max_lens, alpha, lambda lp: lp.argmax(dim=-1), min_len)
 
 
-def sample_decode(decoder: StepDecoder, max_lens: Tensor, temperature: float = 1.0,
-                  top_k: int = 0, top_p: float = 1.0, alpha: float = 0.0,
-                  generator: torch.Generator | None = None, min_len: int = 1
-                  ) -> list[Hypothesis]:
-    """Sample each token from the temperature-scaled, top-k / top-p filtered distribution.
+def sample_decode(decoder: StepDecoder, max_lens: Tensor, *, temperature: float, top_k: int,
+                  top_p: float, alpha: float, min_len: int,
+                  generator: torch.Generator | None = None) -> list[Hypothesis]:
+    """Sample each token from the temperature-scaled, top-k / top-p filtered distribution
+    (`generator` None: torch's global one).
 
     The reported log-prob is the model's own (unscaled, unfiltered) one.
     """
@@ -462,7 +466,7 @@ def sample_decode(decoder: StepDecoder, max_lens: Tensor, temperature: float = 1
     return _sample_like(decoder, max_lens, alpha, choose, min_len)
 
 
-def filter_log_probs(log_probs: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+def filter_log_probs(log_probs: Tensor, top_k: int, top_p: float) -> Tensor:
     """Set to -inf all but the top_k tokens and the smallest set with mass >= top_p.
 
     log_probs (N, V); top_k 0 and top_p 1.0 disable the filters. The best token survives.
@@ -482,7 +486,7 @@ def filter_log_probs(log_probs: Tensor, top_k: int = 0, top_p: float = 1.0) -> T
 
 
 def _sample_like(decoder: StepDecoder, max_lens: Tensor, alpha: float,
-                 choose: Any, min_len: int) -> list[Hypothesis]:
+                 choose: Callable[[Tensor], Tensor], min_len: int) -> list[Hypothesis]:
     """Shared loop of greedy and sampling: one token per row per step, no beam."""
     device = max_lens.device
     rows = max_lens.numel()
@@ -512,16 +516,3 @@ def _sample_like(decoder: StepDecoder, max_lens: Tensor, alpha: float,
         length = len(pieces) + 1  # |Y| counts EOS
         hyps.append(Hypothesis(pieces, lp / float(length_penalty(length, alpha)), lp))
     return hyps
-
-
-@torch.no_grad()
-def greedy_search(model: Any, src: Tensor, max_len_a: float = 1.0, max_len_b: int = 50
-                  ) -> list[list[int]]:
-    """Greedy piece ids (without EOS) for a padded source batch (B, S); for validation BLEU.
-
-    The caller puts the model in eval mode (dropout off) and back; gradients are off here.
-    """
-    cap = model.cfg.max_positions - 1
-    max_lens = max_output_lengths(src, max_len_a, max_len_b, cap)
-    hyps = greedy_decode(ModelStepDecoder(model, src), max_lens)
-    return [h.tokens for h in hyps]

@@ -13,31 +13,39 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+import numpy as np
 import torch
 
 from nmt.checkpoint import load_model
-from nmt.config import PRECISIONS, DecodeConfig
+from nmt.config import DECODE_PRECISIONS, DecodeConfig
+from nmt.data.batching import batch_by_tokens
+from nmt.decoding import DecodingWorkspace
+from nmt.device import resolve_device
 from nmt.errors import CheckpointError, DataError, UsageError
 from nmt.host_memory import keep_freed_memory
+from nmt.int8_linear import output_projection as int8_output_projection
+from nmt.int8_linear import quantize_for_inference
 from nmt.packed_linear import pack_for_inference
 from nmt.precision import resolve_precision
 from nmt.search import (
     EnsembleStepDecoder,
     Hypothesis,
-    ModelStepDecoder,
     beam_search,
     max_output_lengths,
     sample_decode,
 )
-from nmt.vocab import EOS_ID, PAD_ID, Vocab
+from nmt.special_ids import EOS_ID, PAD_ID
+from nmt.vocab import Vocab
 
 ERROR_MODES = ("replace", "strict")
-DEVICES = ("auto", "cpu", "cuda")
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_D = DecodeConfig()
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+           "int8": torch.float32}
 # (1-based line number, source ids as translated, best hypothesis) -> anything
 Observer = Callable[[int, list[int], Hypothesis], object]
 
@@ -59,23 +67,14 @@ class TranslateStats:
                 f"{self.tgt_tokens / secs:.1f} target tokens/s")
 
 
-def resolve_device(device: str) -> torch.device:
-    """auto -> cuda when available, else cpu; asking for missing cuda is a usage error."""
-    if device not in DEVICES:
-        raise UsageError(f"unknown device {device!r}; choose one of: {', '.join(DEVICES)}")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda asked for but no CUDA device is available; "
-                         "use --device cpu")
-    return torch.device(device)
-
-
 class Translator:
     """One model or an ensemble sharing a vocabulary, with the search settings."""
 
     def __init__(self, models: Sequence[torch.nn.Module], vocab: Vocab, cfg: DecodeConfig,
-                 device: torch.device, max_src_len: int | None = None, seed: int = 1) -> None:
+                 device: torch.device, max_src_len: int | None = None, seed: int = 1,
+                 projections: Sequence[torch.nn.Module | None] | None = None) -> None:
+        """`projections`: per model, a replacement for its vocabulary projection (int8
+        models' int8 one), None for the default."""
         self.models = list(models)
         self.vocab = vocab
         self.cfg = cfg
@@ -89,33 +88,44 @@ class Translator:
                              f"minus EOS), got {max_src_len}")
         self.max_src_len = max_src_len if max_src_len is not None else limit
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        # One per model, for as long as this translator lives: each batch's decoder reuses
+        # the memory the previous batch's left (and the packed output projection).
+        projections = list(projections) if projections else [None] * len(self.models)
+        self.workspaces = [DecodingWorkspace(m, p)
+                           for m, p in zip(self.models, projections, strict=True)]
 
     @classmethod
-    def load(cls, paths: Sequence[Path], cfg: DecodeConfig, device: str = "auto",
-             precision: str = "fp32", max_src_len: int | None = None,
-             seed: int = 1) -> Translator:
-        """Load checkpoints safely (weights_only); an ensemble must share one vocabulary."""
+    def load(cls, paths: Sequence[Path], cfg: DecodeConfig, device: str = _D.device,
+             precision: str = _D.precision, max_src_len: int | None = None,
+             seed: int = _D.seed, weights: str = _D.weights) -> Translator:
+        """Load checkpoints safely (weights_only); an ensemble must share one vocabulary.
+        `weights`: auto (a checkpoint's EMA weights where it has them), raw or ema."""
         if not paths:
             raise UsageError("no model given; pass -m MODEL (repeat it for an ensemble)")
-        if precision not in PRECISIONS:
+        if precision not in DECODE_PRECISIONS:
             raise UsageError(f"unknown precision {precision!r}; choose one of: "
-                             f"{', '.join(PRECISIONS)}")
+                             f"{', '.join(DECODE_PRECISIONS)}")
         dev = resolve_device(device)
         if dev.type == "cpu":
             keep_freed_memory()  # per-step activations reuse pages instead of re-faulting
         precision = resolve_precision(precision, dev)  # auto -> bf16 / fp16 / fp32
-        models, vocab = [], None
+        models, projections, vocab = [], [], None
         for path in paths:
-            model, model_vocab, _ = load_model(Path(path), dev)
+            model, model_vocab, _ = load_model(Path(path), dev, weights)
             if vocab is not None and model_vocab.proto != vocab.proto:
                 raise CheckpointError(f"{path}: vocabulary differs from {paths[0]}; an "
                                       "ensemble needs models trained on one vocabulary")
             vocab = model_vocab
             model = model.to(_DTYPES[precision])
-            pack_for_inference(model)  # CPU fp32/bf16: oneDNN linears, weights packed once
+            projection = None
+            if precision == "int8" and quantize_for_inference(model):  # int8 linears
+                projection = int8_output_projection(model.output_weight)
+            else:
+                pack_for_inference(model)  # CPU fp32/bf16: oneDNN linears, weights packed once
             models.append(model)
+            projections.append(projection)
         assert vocab is not None
-        return cls(models, vocab, cfg, dev, max_src_len, seed)
+        return cls(models, vocab, cfg, dev, max_src_len, seed, projections)
 
     def translate_ids(self, sources: Sequence[Sequence[int]]) -> list[list[Hypothesis]]:
         """Search for each source (piece ids without EOS); one list of hypotheses each."""
@@ -128,15 +138,17 @@ class Translator:
         cfg = self.cfg
         max_lens = max_output_lengths(src, cfg.max_len_a, cfg.max_len_b,
                                       cap=self.max_positions - 1)
-        with torch.inference_mode():
-            decoder = EnsembleStepDecoder([ModelStepDecoder(m, src) for m in self.models])
+        with torch.inference_mode(), ExitStack() as members:  # closing them pools memory
+            decoder = EnsembleStepDecoder([members.enter_context(w.decoder(src))
+                                           for w in self.workspaces])
             if not cfg.sampling:
-                return beam_search(decoder, max_lens, cfg.beam, cfg.alpha, cfg.nbest,
-                                   cfg.min_len)
+                return beam_search(decoder, max_lens, beam=cfg.beam, alpha=cfg.alpha,
+                                   nbest=cfg.nbest, min_len=cfg.min_len)
             rows = torch.arange(len(sources), device=self.device).repeat_interleave(cfg.nbest)
             decoder.reorder(rows)  # (batch * nbest,): independent samples
-            flat = sample_decode(decoder, max_lens[rows], cfg.temperature, cfg.top_k,
-                                 cfg.top_p, cfg.alpha, self.generator, cfg.min_len)
+            flat = sample_decode(decoder, max_lens[rows], temperature=cfg.temperature,
+                                 top_k=cfg.top_k, top_p=cfg.top_p, alpha=cfg.alpha,
+                                 min_len=cfg.min_len, generator=self.generator)
         return [sorted(flat[i * cfg.nbest:(i + 1) * cfg.nbest], key=lambda h: -h.score)
                 for i in range(len(sources))]
 
@@ -157,30 +169,30 @@ def decode_line(raw: bytes, line_no: int, errors: str, source_name: str) -> str:
                         "(use --errors replace to substitute U+FFFD)") from err
 
 
-def batches_by_tokens(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Indices sorted by length, cut into batches whose padded size (sentences x longest,
-    EOS included) stays within max_tokens; a sentence always fits in a batch of its own."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for i in order:
-        if current and (len(current) + 1) * (lengths[i] + 1) > max_tokens:
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
-    return batches
+def source_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Line indices (pieces per line in `lengths`) sorted by length and cut into batches of
+    at most `max_tokens` padded source tokens, EOS included: training's `batch_by_tokens`
+    with no target side, every line kept (an over-long one alone)."""
+    src = np.asarray(lengths, dtype=np.int64)
+    batches = batch_by_tokens(src, np.zeros_like(src), max_tokens, max_len=2 ** 62,
+                              oversize_alone=True).batches
+    return [b.tolist() for b in batches]
+
+
+# Every character Python's str.splitlines() (and so many readers of our output) breaks a
+# line at: \n \r \v \f, the file/group/record separators, NEL, LINE/PARAGRAPH SEPARATOR.
+_LINE_BREAKS = str.maketrans({c: " " for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
 
 
 def sanitize(text: str) -> str:
-    """Output text on one line: carriage returns and newlines become spaces."""
-    return text.replace("\r", " ").replace("\n", " ")
+    """Output text on one line for any reader: every line-break character becomes a space
+    (a model can generate one from a piece holding it, or a sampled byte piece)."""
+    return text.translate(_LINE_BREAKS)
 
 
 def translate_stream(source: BinaryIO, sink: BinaryIO, translator: Translator, *,
                      buffer_size: int | None = None, interactive: bool = False,
-                     errors: str = "replace", source_name: str = "<stdin>",
+                     errors: str = _D.errors, source_name: str = "<stdin>",
                      warn: Callable[[str], None] = lambda _msg: None,
                      observe: Observer | None = None) -> TranslateStats:
     """Translate every line of `source` into `sink`, one output line (or nbest lines) per
@@ -228,7 +240,7 @@ def _translate_buffer(buffer: list[tuple[int, bytes]], sink: BinaryIO, translato
         sources.append(ids)
         owners.append(i)
     results: list[list[Hypothesis]] = [[] for _ in buffer]
-    for batch in batches_by_tokens([len(s) for s in sources], translator.cfg.max_tokens):
+    for batch in source_batches([len(s) for s in sources], translator.cfg.max_tokens):
         hyps = translator.translate_ids([sources[j] for j in batch])
         for j, sent_hyps in zip(batch, hyps, strict=True):
             results[owners[j]] = sent_hyps

@@ -1,7 +1,8 @@
-"""Joint sentencepiece vocabulary: special ids, training, encoding and decoding.
+"""Joint sentencepiece vocabulary: training, encoding and decoding.
 
-The special ids are defined here and nowhere else. Sequences follow one convention:
-source = pieces + [EOS]; decoder input = [BOS] + pieces; decoder output = pieces + [EOS].
+The special ids are defined in `nmt.special_ids` (re-exported here). Sequences follow one
+convention: source = pieces + [EOS]; decoder input = [BOS] + pieces; decoder output =
+pieces + [EOS].
 """
 
 from __future__ import annotations
@@ -14,11 +15,9 @@ import sentencepiece as spm
 
 from nmt.errors import DataError, UsageError
 from nmt.fileio import atomic_write_bytes
+from nmt.special_ids import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
-PAD_ID = 0
-UNK_ID = 1
-BOS_ID = 2
-EOS_ID = 3
+__all__ = ["BOS_ID", "EOS_ID", "NORMALIZATION", "PAD_ID", "UNK_ID", "Vocab", "train_vocab"]
 
 
 class Vocab:
@@ -87,7 +86,7 @@ def _sample_lines(inputs: Sequence[Path], sample: int, seed: int, out: Path) -> 
     """
     import numpy as np
 
-    from nmt.data.binarize import count_lines
+    from nmt.fileio import count_lines
 
     counts = [count_lines(Path(p)) for p in inputs]
     total = sum(counts)

@@ -47,3 +47,17 @@ def test_attention_dropout_keeps_rows_normalised_in_expectation() -> None:
     assert not torch.allclose(dropped, torch.ones_like(dropped))  # some weights dropped
     runs = torch.stack([attend(q, k, v, dropout_p=0.5) for _ in range(2000)]).mean(0)
     torch.testing.assert_close(runs, torch.ones_like(runs), atol=0.05, rtol=0)
+
+
+def test_causal_mask_first_built_under_inference_mode_still_trains() -> None:
+    """Translating (inference_mode) in a process that later trains, with the same shape:
+    the cached causal mask must not be an inference tensor, or backward fails."""
+    from nmt.attention import _later_keys, masked_scores
+
+    _later_keys.cache_clear()
+    q, k = torch.randn(1, 2, 7, 4), torch.randn(1, 2, 7, 4)
+    with torch.inference_mode():
+        masked_scores(q, k, None, is_causal=True)
+    q.requires_grad_(True)
+    masked_scores(q, k, None, is_causal=True).softmax(-1).sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()

@@ -48,7 +48,8 @@ def test_lines() -> list[str]:
 def translated(ckpt: Path, lines: list[str]) -> tuple[Translator, list[list[int]],
                                                         list[list[int]]]:
     """Source ids and best hypotheses (ids without EOS) of real test lines, beam 2."""
-    translator = Translator.load([ckpt], DecodeConfig(beam=2, max_len_b=6), device="cpu")
+    translator = Translator.load([ckpt], DecodeConfig(beam=2, max_len_b=6), device="cpu",
+                                 precision="fp32")
     sources = translator.vocab.encode(lines)
     hyps = [h[0].tokens for h in translator.translate_ids(sources)]
     return translator, sources, hyps

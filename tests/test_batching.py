@@ -63,3 +63,32 @@ def test_collate_layout():
     assert batch.tgt_in.tolist() == [[BOS_ID, 9, PAD_ID], [BOS_ID, 10, 11]]
     assert batch.tgt_out.tolist() == [[9, EOS_ID, PAD_ID], [10, 11, EOS_ID]]
     assert (batch.src_tokens, batch.tgt_tokens) == (6, 5)
+
+
+def _translate_batches_reference(lengths, max_tokens):
+    """translate's former batcher: length order, a batch closes when the next line would
+    overflow it, an over-long line goes alone."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * (lengths[i] + 1) > max_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def test_translation_batches_are_training_batches_of_the_source_side():
+    """One batcher for training and translation: source_batches (batch_by_tokens with no
+    target side, every line kept) equals the former translate batcher exactly."""
+    from nmt.translate import source_batches
+
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        n = int(rng.integers(1, 60))
+        lengths = rng.integers(0, 80, n).tolist()
+        max_tokens = int(rng.integers(1, 400))
+        assert source_batches(lengths, max_tokens) == _translate_batches_reference(
+            lengths, max_tokens), (lengths, max_tokens)

@@ -12,12 +12,12 @@ import pytest
 from nmt.data.binarize import (
     NpyStreamWriter,
     binarize_file,
-    count_lines,
     read_line_chunks,
     token_dtype,
 )
 from nmt.data.dataset import ParallelData, TokenArray, load_vocab
 from nmt.errors import DataError
+from nmt.fileio import count_lines
 from nmt.vocab import Vocab, train_vocab
 
 

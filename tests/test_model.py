@@ -1,5 +1,6 @@
-"""Transformer model: masking, padding invariance, incremental decoding, weight sharing,
-parameter counts, positional encodings, variants and mixed precision (tiny preset, CPU)."""
+"""Transformer model: masking, padding invariance, weight sharing, parameter counts,
+positional encodings, variants and mixed precision (tiny preset, CPU). Incremental
+decoding: tests/test_decoding.py."""
 
 from __future__ import annotations
 
@@ -48,12 +49,6 @@ def random_batch(lengths: list[int], seed: int, bos: bool = False) -> torch.Tens
     return batch
 
 
-def incremental_logits(model: Transformer, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-    state = model.init_state(model.encode(src))
-    steps = [model.decode_step(tgt[:, t], state) for t in range(tgt.size(1))]
-    return torch.stack(steps, dim=1)  # (batch, tgt_len, vocab)
-
-
 @torch.no_grad()
 def test_causal_mask_future_tokens_do_not_matter():
     model = make_model()
@@ -95,53 +90,6 @@ def test_padding_embedding_row_is_zero_and_init_scale():
     assert torch.count_nonzero(model.embed.weight[PAD_ID]) == 0
     std = model.embed.weight[EOS_ID + 1:].std().item()
     assert abs(std - model.cfg.d_model ** -0.5) < 0.02
-
-
-@torch.no_grad()
-def test_incremental_decoding_equals_full_decode_with_reorder_and_expand():
-    model = make_model(seed=1)
-    src = random_batch([7, 4, 5], seed=5)
-    tgt = random_batch([21, 21, 21], seed=6, bos=True)  # > INITIAL_CAPACITY: cache grows
-    full = model(src, tgt)
-    torch.testing.assert_close(incremental_logits(model, src, tgt), full, rtol=1e-4, atol=1e-5)
-
-    # Expand B -> B*beam, then reorder now and then: across sentences (at step 3), within
-    # each sentence's beam (steps 10-12: cross-attention K/V kept, cache buffers reused
-    # ping-pong), and a shrink to fewer rows after the cache has grown (step 18). Every row
-    # must keep matching the full decode of the sentence and prefix it now holds.
-    beam = 2
-    expand = torch.arange(3).repeat_interleave(beam)  # rows 0 0 1 1 2 2
-    state = model.reorder_cache(model.init_state(model.encode(src)), expand)
-    source_of_row = expand
-    reorders = {3: torch.tensor([1, 0, 5, 4, 2, 3]), 10: torch.tensor([1, 1, 2, 3, 5, 5]),
-                11: torch.tensor([1, 0, 3, 2, 5, 4]), 12: torch.tensor([0, 0, 2, 2, 4, 4]),
-                18: torch.tensor([4, 0, 2])}
-    for t in range(tgt.size(1)):
-        if t in reorders:
-            state = model.reorder_cache(state, reorders[t])
-            source_of_row = source_of_row.index_select(0, reorders[t])
-        logits = model.decode_step(tgt.index_select(0, source_of_row)[:, t], state)
-        torch.testing.assert_close(logits, full.index_select(0, source_of_row)[:, t],
-                                   rtol=1e-4, atol=1e-5)
-    assert state.step == tgt.size(1) and len(source_of_row) == 3
-
-
-@torch.no_grad()
-def test_need_attention_stores_cross_attention_without_changing_logits():
-    model = make_model(seed=2)
-    src = random_batch([6, 3], seed=7)
-    tgt = random_batch([4, 4], seed=8, bos=True)
-    enc = model.encode(src)
-    plain, probe = model.init_state(enc), model.init_state(enc, attention_layer=0)
-    for t in range(tgt.size(1)):
-        expected = model.decode_step(tgt[:, t], plain)
-        got = model.decode_step(tgt[:, t], probe, need_attention=True)
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-        attn = probe.attention
-        assert attn is not None and attn.shape == (2, model.cfg.heads, src.size(1))
-        torch.testing.assert_close(attn.sum(-1), torch.ones(2, model.cfg.heads))
-        assert torch.all(attn[1, :, 3:] == 0)  # padding gets no attention
-    assert plain.attention is None
 
 
 def test_weights_are_shared_by_embeddings_and_output_projection():
@@ -198,7 +146,6 @@ def test_pre_norm_learned_positions_and_dk_dv_variants_run_and_differ():
         model = make_model(seed=3, **overrides)
         out = model(src, tgt)
         assert out.shape == (2, 4, VOCAB) and torch.isfinite(out).all()
-        torch.testing.assert_close(incremental_logits(model, src, tgt), out, rtol=1e-4, atol=1e-5)
         outputs[name] = out
     assert make_model(pre_norm=True).enc_norm is not None
     assert "enc_positions.learned.weight" in make_model(learned_positions=True).state_dict()
@@ -222,10 +169,7 @@ def test_autocast_bf16_forward_is_finite():
     tgt = random_batch([5, 3], seed=16, bos=True)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model(src, tgt)
-        state = model.init_state(model.encode(src))
-        step = model.decode_step(tgt[:, 0], state)
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
-    assert torch.isfinite(step).all()
     reference = model(src, tgt)
     assert (logits.float() - reference)[0].abs().max() < 0.1 * reference.abs().max()
 
@@ -234,10 +178,8 @@ def test_too_long_input_raises_usage_error():
     model = make_model(max_positions=8)
     with pytest.raises(UsageError, match="max_positions"):
         model.encode(random_batch([9], seed=17))
-    state = model.init_state(model.encode(random_batch([4], seed=18)))
-    state.step = 8
     with pytest.raises(UsageError, match="max_positions"):
-        model.decode_step(torch.tensor([BOS_ID]), state)
+        model(random_batch([4], seed=18), random_batch([9], seed=19, bos=True))
 
 
 def test_rebuilt_from_checkpoint_alone(tmp_path, multi30k_dir):
@@ -266,15 +208,3 @@ def test_logits_of_selected_features_equal_full_decode():
     features = model.decode_features(tgt, enc)
     real = tgt.ne(PAD_ID)
     torch.testing.assert_close(model.logits(features[real]), model.decode(tgt, enc)[real])
-
-
-@torch.no_grad()
-def test_reorder_consumes_the_old_state():
-    model = make_model()
-    state = model.init_state(model.encode(random_batch([4, 3], seed=23)))
-    new = model.reorder_cache(state, torch.tensor([1, 0]))
-    with pytest.raises(RuntimeError, match="consumed"):
-        model.decode_step(torch.tensor([BOS_ID, BOS_ID]), state)
-    with pytest.raises(RuntimeError, match="consumed"):
-        model.reorder_cache(state, torch.tensor([0, 1]))
-    assert model.decode_step(torch.tensor([BOS_ID, BOS_ID]), new).shape == (2, VOCAB)

@@ -9,10 +9,11 @@ from torch import nn
 
 from nmt import packed_linear
 from nmt.config import model_preset
+from nmt.decoding import DecodingWorkspace
 from nmt.model import Transformer
-from nmt.packed_linear import PackedLinear, available, pack_for_inference
-from nmt.search import ModelStepDecoder, beam_search, max_output_lengths
-from nmt.vocab import EOS_ID, PAD_ID
+from nmt.packed_linear import PackedLinear, available, is_packed, pack_for_inference
+from nmt.search import beam_search, max_output_lengths
+from nmt.special_ids import EOS_ID, PAD_ID
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -71,9 +72,12 @@ def test_packed_model_translates_like_the_plain_one() -> None:
     plain = tiny_model()
     packed = tiny_model()
     n_linear = sum(type(m) is nn.Linear for m in packed.modules())
-    assert pack_for_inference(packed) == n_linear + 1  # + the output projection
+    assert pack_for_inference(packed) == n_linear
     assert not any(type(m) is nn.Linear for m in packed.modules())
-    assert packed.output_projection is not None
+    assert is_packed(packed) and not is_packed(plain)
+    plain_space, packed_space = DecodingWorkspace(plain), DecodingWorkspace(packed)
+    assert plain_space.projection is None
+    assert packed_space.projection is not None  # the shared output matrix, packed too
     # No linear weight is a parameter any more; the shared embedding still is.
     assert set(packed.state_dict()) <= set(plain.state_dict())
     assert "embed.weight" in packed.state_dict()
@@ -84,10 +88,10 @@ def test_packed_model_translates_like_the_plain_one() -> None:
             logits_packed = packed(src, src)
             torch.testing.assert_close(logits_packed, logits_plain, rtol=1e-4, atol=1e-4)
             max_lens = max_output_lengths(src, 1.0, 5)
-            want = beam_search(ModelStepDecoder(plain, src), max_lens, beam=4, alpha=0.6,
-                               nbest=2)
-            got = beam_search(ModelStepDecoder(packed, src), max_lens, beam=4, alpha=0.6,
-                              nbest=2)
+            with plain_space.decoder(src) as decoder:
+                want = beam_search(decoder, max_lens, beam=4, alpha=0.6, nbest=2, min_len=1)
+            with packed_space.decoder(src) as decoder:
+                got = beam_search(decoder, max_lens, beam=4, alpha=0.6, nbest=2, min_len=1)
         assert [[h.tokens for h in row] for row in got] == \
             [[h.tokens for h in row] for row in want]
         for row_got, row_want in zip(got, want, strict=True):
@@ -99,13 +103,13 @@ def test_nothing_packed_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch)
     half = tiny_model().to(torch.float16)
     assert pack_for_inference(half) == 0
     assert any(type(m) is nn.Linear for m in half.modules())
-    assert half.output_projection is None
+    assert DecodingWorkspace(half).projection is None
     monkeypatch.setenv("NMT_PACKED_LINEAR", "0")
     packed_linear.available.cache_clear()
     try:
         model = tiny_model()
         assert pack_for_inference(model) == 0
-        assert model.output_projection is None
+        assert DecodingWorkspace(model).projection is None
     finally:
         monkeypatch.delenv("NMT_PACKED_LINEAR")
         packed_linear.available.cache_clear()

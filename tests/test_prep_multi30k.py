@@ -19,7 +19,12 @@ def test_gzipped_mirror_gives_exact_test_and_valid(tmp_path, multi30k_dir):
     assert (out / "test.tgt").read_bytes() == (multi30k_dir / "test_2016_flickr.de").read_bytes()
     assert len((out / "test.tgt").read_bytes().split(b"\n")) == 1001  # 1,000 lines
     assert (out / "valid.tgt").read_bytes() == (multi30k_dir / "val.de").read_bytes()
-    assert manifest["splits"]["train"]["lines"] == 29000
+    # 29,000 pairs less 1 whose source is a val/test source and 3 repeated pairs.
+    counts = manifest["splits"]["train"]["cleaning_counts"]["total"]
+    assert (counts["input"], counts["after_overlap"], counts["output"]) == (29000, 28999, 28996)
+    assert manifest["splits"]["train"]["lines"] == 28996
+    assert manifest["splits"]["train"]["corpora"] == [
+        {"name": "multi30k-train", "start": 0, "lines": 28996, "weight": None}]
     assert manifest["splits"]["test"]["lines"] == 1000
     assert manifest["archives"]["train-en"]["verified"]["content_sha256"]
     assert not manifest["archives"]["train-en"]["uncompressed_copy"]
@@ -63,3 +68,29 @@ def test_mirror_missing_files_lists_names_and_urls(tmp_path, multi30k_dir):
         assert f"{name} (or {name[:-3]}) <- https://github.com/multi30k/dataset/raw/" \
                f"master/data/task1/raw/{name}" in message
     assert not (tmp_path / "out").exists()
+
+
+def test_output_is_the_same_for_any_worker_count(tmp_path, multi30k_dir):
+    """29,000 training pairs are six cleaning chunks: 1 and 3 processes write the same."""
+    one = prepare("multi30k-en-de", tmp_path / "one", multi30k_dir, workers=1)
+    three = prepare("multi30k-en-de", tmp_path / "three", multi30k_dir, workers=3)
+    assert one["splits"] == three["splits"]
+    for name in ("train.src", "train.tgt", "valid.src", "test.tgt"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "three" / name).read_bytes()
+
+
+def test_default_worker_count_is_the_core_count(tmp_path, multi30k_dir, monkeypatch):
+    seen = []
+
+    class Recorder:
+        def __init__(self, recipe, out, mirror, workers, *rest):
+            seen.append(workers)
+
+        def run(self):
+            return {}
+
+    monkeypatch.setattr("nmt.prep.available_cores", lambda: 5)
+    monkeypatch.setattr("nmt.prep._Prep", Recorder)
+    prepare("multi30k-en-de", tmp_path / "out", multi30k_dir)
+    prepare("multi30k-en-de", tmp_path / "out", multi30k_dir, workers=2)
+    assert seen == [5, 2]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -52,9 +53,16 @@ def test_wmt14_fixture_end_to_end_and_idempotent(tmp_path, mirror):
     assert (out / "train.src").stat().st_mtime_ns == stamps["train.src"]
 
 
-def test_shipped_recipe_checks_sacrebleu_md5_of_test_full(tmp_path, mirror):
-    with pytest.raises(IntegrityError, match="test-full.tgz: md5 mismatch"):
+def test_shipped_recipe_checks_its_sizes_sha256s_and_sacrebleu_md5(tmp_path, mirror):
+    with pytest.raises(IntegrityError, match="training-parallel-commoncrawl.tgz: size "
+                                             "mismatch .expected 918311367"):
         prepare("wmt14-en-de", tmp_path / "out", mirror)
+    assert not (tmp_path / "out").exists()
+    text = (REPO / "recipes" / "wmt14-en-de.toml").read_text("utf-8")
+    recipe = tmp_path / "md5-only.toml"  # the training archives' checks taken out
+    recipe.write_text(re.sub(r"^(size|sha256) = .*\n", "", text, flags=re.M), "utf-8")
+    with pytest.raises(IntegrityError, match="test-full.tgz: md5 mismatch"):
+        prepare(str(recipe), tmp_path / "out", mirror)
     assert not (tmp_path / "out").exists()
 
 

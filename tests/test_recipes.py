@@ -22,6 +22,11 @@ def test_shipped_recipes_load_with_paper_values():
     assert ende.splits["test"][0].src.format == "sgm"
     assert ende.cleaning.max_words == 250 and ende.cleaning.max_ratio == 1.5
     assert ende.archives["test-full"].md5 == "a8cd784e006feb32ac6f3d9ec7eb389a"
+    sizes = {"europarl": 657632379, "commoncrawl": 918311367, "news-commentary": 80418416}
+    for recipe in (ende, enfr):
+        assert {a: recipe.archives[a].size for a in sizes} == sizes
+        assert all(recipe.archives[a].sha256 for a in sizes)
+    assert ende.cleaning.dedup and ende.cleaning.remove_overlap
     assert m30k.archives["test-en"].file_name == "test_2016_flickr.en.gz"
     assert m30k.archives["test-en"].kind == "gz"
 

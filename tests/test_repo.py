@@ -1,8 +1,8 @@
-"""Repository-level invariants: CLI surface, layering, and README <-> CI agreement."""
+"""Repository-level invariants: CLI surface and README <-> CI agreement (layering:
+tests/test_dependencies.py)."""
 
 from __future__ import annotations
 
-import ast
 import re
 import subprocess
 import sys
@@ -37,35 +37,6 @@ def test_every_option_help_shows_its_default() -> None:
     for name in COMMANDS:
         result = _nmt(name, "--help")
         assert result.returncode == 0, (name, result.stderr)
-
-
-def _imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    names: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-    return names
-
-
-def test_library_never_imports_the_cli() -> None:
-    """Dependencies point one way: cli -> nmt."""
-    for path in (REPO / "nmt").rglob("*.py"):
-        bad = {m for m in _imports(path) if m == "cli" or m.startswith("cli.") or m == "typer"}
-        assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
-
-
-def test_model_and_search_know_nothing_about_files_or_recipes() -> None:
-    forbidden = ("nmt.recipes", "nmt.data", "nmt.prep", "nmt.translate", "nmt.checkpoint",
-                 "nmt.train", "urllib", "tarfile", "gzip", "sacrebleu", "rich")
-    for name in ("model.py", "search.py"):
-        path = REPO / "nmt" / name
-        if not path.exists():
-            continue
-        bad = {m for m in _imports(path) if m.startswith(forbidden)}
-        assert not bad, f"nmt/{name} imports {sorted(bad)}"
 
 
 def test_ci_runs_the_readme_test_command() -> None:

@@ -1,4 +1,5 @@
-"""Search on a fake step decoder with hand-written probabilities, plus model invariants."""
+"""Search on a fake step decoder with hand-written probabilities (the same invariants on a
+real model: tests/test_decoding.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from test_translate_util import one_thread  # noqa: F401
 
+from nmt.config import DecodeConfig
 from nmt.search import (
     EnsembleStepDecoder,
     Hypothesis,
@@ -21,12 +23,33 @@ from nmt.search import (
     max_output_lengths,
     sample_decode,
 )
-from nmt.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from nmt.special_ids import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 A, B = 4, 5  # two real pieces after the specials 0..3
 VOCAB = 6
+DEFAULTS = DecodeConfig()  # what `nmt translate` passes when a flag is not given
+
+
+def run_beam(decoder, max_lens: torch.Tensor, **settings) -> list[list[Hypothesis]]:
+    """beam_search with DecodeConfig's defaults for the settings a test leaves out."""
+    return beam_search(decoder, max_lens, **{"beam": DEFAULTS.beam, "alpha": DEFAULTS.alpha,
+                                             "nbest": DEFAULTS.nbest,
+                                             "min_len": DEFAULTS.min_len, **settings})
+
+
+def run_greedy(decoder, max_lens: torch.Tensor, **settings) -> list[Hypothesis]:
+    """greedy_decode with alpha 0 (raw log-probs) and DecodeConfig's min_len by default."""
+    return greedy_decode(decoder, max_lens, **{"alpha": 0.0, "min_len": DEFAULTS.min_len,
+                                               **settings})
+
+
+def run_sampling(decoder, max_lens: torch.Tensor, **settings) -> list[Hypothesis]:
+    """sample_decode with DecodeConfig's defaults for the settings a test leaves out."""
+    return sample_decode(decoder, max_lens, **{
+        "temperature": DEFAULTS.temperature, "top_k": DEFAULTS.top_k, "top_p": DEFAULTS.top_p,
+        "alpha": 0.0, "min_len": DEFAULTS.min_len, **settings})
 
 
 class TableDecoder:
@@ -81,7 +104,7 @@ def test_table_alpha0_prefers_short_hypothesis() -> None:
     # Step 1: B A .36, A EOS .35 (finished), A A .10 -> alive B A, A A. .36 > .35 go on.
     # Step 2: B A EOS = .4*.9*.9 = .324 finishes, but A EOS = .35 is still best; the best
     # alive (B A A, .018) cannot beat it: stop.
-    hyps = beam_search(TableDecoder(table), torch.tensor([3]), beam=2, alpha=0.0, nbest=2)
+    hyps = run_beam(TableDecoder(table), torch.tensor([3]), beam=2, alpha=0.0, nbest=2)
     assert [h.tokens for h in hyps[0]] == [[A], [B, A]]
     assert hyps[0][0].score == pytest.approx(math.log(0.5 * 0.7), abs=1e-6)
     assert hyps[0][1].score == pytest.approx(math.log(0.4 * 0.9 * 0.9), abs=1e-6)
@@ -91,7 +114,7 @@ def test_table_alpha06_prefers_longer_hypothesis() -> None:
     # |Y| counts EOS: "A EOS" has |Y| = 2, "B A EOS" |Y| = 3.
     short = math.log(0.35) / lp(2, 0.6)  # -0.957
     long = math.log(0.324) / lp(3, 0.6)  # -0.948: wins with alpha 0.6
-    hyps = beam_search(TableDecoder(table), torch.tensor([3]), beam=2, alpha=0.6, nbest=2)
+    hyps = run_beam(TableDecoder(table), torch.tensor([3]), beam=2, alpha=0.6, nbest=2)
     assert [h.tokens for h in hyps[0]] == [[B, A], [A]]
     assert hyps[0][0].score == pytest.approx(long, abs=1e-6)
     assert hyps[0][1].score == pytest.approx(short, abs=1e-6)
@@ -100,22 +123,22 @@ def test_table_alpha06_prefers_longer_hypothesis() -> None:
 
 def test_early_termination_stops_before_max_length() -> None:
     dec = TableDecoder(table)
-    beam_search(dec, torch.tensor([40]), beam=2, alpha=0.0)
+    run_beam(dec, torch.tensor([40]), beam=2, alpha=0.0)
     assert dec.calls == 3  # steps 0, 1, 2 as in the hand trace, not 41
 
 
 def test_max_length_forces_eos() -> None:
     always_a = lambda _s, _p: {A: 0.99, EOS_ID: 0.01}  # noqa: E731
-    hyps = beam_search(TableDecoder(always_a), torch.tensor([5]), beam=2, alpha=1.0)
+    hyps = run_beam(TableDecoder(always_a), torch.tensor([5]), beam=2, alpha=1.0)
     assert hyps[0][0].tokens == [A] * 5
     expected = (5 * math.log(0.99) + math.log(0.01)) / lp(6, 1.0)
     assert hyps[0][0].score == pytest.approx(expected, abs=1e-5)
-    greedy = greedy_decode(TableDecoder(always_a), torch.tensor([5]))
+    greedy = run_greedy(TableDecoder(always_a), torch.tensor([5]))
     assert greedy[0].tokens == [A] * 5
 
 
 def test_zero_budget_gives_empty_output() -> None:
-    hyps = beam_search(TableDecoder(table), torch.tensor([0]), beam=2, alpha=0.6)
+    hyps = run_beam(TableDecoder(table), torch.tensor([0]), beam=2, alpha=0.6)
     assert hyps[0][0].tokens == []
     assert hyps[0][0].log_prob == pytest.approx(math.log(0.1), abs=1e-6)
 
@@ -130,37 +153,37 @@ def eos_first(_sent: int, prefix: tuple[int, ...]) -> dict[int, float]:
 
 
 def test_min_len_forbids_the_empty_translation() -> None:
-    empty = beam_search(TableDecoder(eos_first), torch.tensor([5]), beam=2, alpha=0.6,
+    empty = run_beam(TableDecoder(eos_first), torch.tensor([5]), beam=2, alpha=0.6,
                         min_len=0)
     assert empty[0][0].tokens == []
     assert empty[0][0].score == pytest.approx(math.log(0.9), abs=1e-6)
-    hyps = beam_search(TableDecoder(eos_first), torch.tensor([5]), beam=2, alpha=0.6)
-    assert hyps[0][0].tokens == [A]  # min_len 1 is the default
+    hyps = run_beam(TableDecoder(eos_first), torch.tensor([5]), beam=2, alpha=0.6)
+    assert hyps[0][0].tokens == [A]  # DecodeConfig's min_len is 1
     assert hyps[0][0].score == pytest.approx(math.log(0.1 * 0.5) / lp(2, 0.6), abs=1e-6)
-    assert greedy_decode(TableDecoder(eos_first), torch.tensor([5]), min_len=0)[0].tokens == []
-    assert greedy_decode(TableDecoder(eos_first), torch.tensor([5]))[0].tokens == [A]
-    sampled = sample_decode(TableDecoder(eos_first, 50), torch.full((50,), 5),
+    assert run_greedy(TableDecoder(eos_first), torch.tensor([5]), min_len=0)[0].tokens == []
+    assert run_greedy(TableDecoder(eos_first), torch.tensor([5]))[0].tokens == [A]
+    sampled = run_sampling(TableDecoder(eos_first, 50), torch.full((50,), 5),
                             generator=torch.Generator().manual_seed(0))
     assert all(h.tokens for h in sampled)
 
 
 def test_min_len_counts_pieces_and_yields_to_max_len() -> None:
-    hyps = beam_search(TableDecoder(eos_first), torch.tensor([5]), beam=2, alpha=0.0,
+    hyps = run_beam(TableDecoder(eos_first), torch.tensor([5]), beam=2, alpha=0.0,
                        min_len=3)
     assert all(len(h.tokens) >= 3 for h in hyps[0])
     # A budget below min_len: EOS is forced at the budget as always.
-    short = beam_search(TableDecoder(eos_first), torch.tensor([1]), beam=2, alpha=0.0,
+    short = run_beam(TableDecoder(eos_first), torch.tensor([1]), beam=2, alpha=0.0,
                         min_len=3, nbest=2)
     assert sorted(h.tokens for h in short[0]) == [[A]]
-    assert greedy_decode(TableDecoder(eos_first), torch.tensor([2]), min_len=3)[0].tokens \
+    assert run_greedy(TableDecoder(eos_first), torch.tensor([2]), min_len=3)[0].tokens \
         == [A, A]
-    zero = beam_search(TableDecoder(eos_first), torch.tensor([0]), beam=2, alpha=0.6)
+    zero = run_beam(TableDecoder(eos_first), torch.tensor([0]), beam=2, alpha=0.6)
     assert zero[0][0].tokens == []
 
 
 def test_nothing_finished_returns_best_alive() -> None:
     never_eos = lambda _s, _p: {A: 0.6, B: 0.4}  # noqa: E731  EOS has probability 0
-    hyps = beam_search(TableDecoder(never_eos), torch.tensor([3]), beam=2, alpha=0.0)
+    hyps = run_beam(TableDecoder(never_eos), torch.tensor([3]), beam=2, alpha=0.0)
     assert hyps[0][0].tokens == [A, A, A]
     assert hyps[0][0].log_prob == pytest.approx(3 * math.log(0.6), abs=1e-6)
 
@@ -201,7 +224,7 @@ def test_wide_beam_finds_exhaustive_optimum(seed: int, alpha: float, min_len: in
     max_len = 3
     beam = 3**max_len  # >= |pieces|^L: nothing is ever pruned
     dist = random_table(seed)
-    hyps = beam_search(TableDecoder(dist), torch.tensor([max_len]), beam=beam, alpha=alpha,
+    hyps = run_beam(TableDecoder(dist), torch.tensor([max_len]), beam=beam, alpha=alpha,
                        min_len=min_len)
     tokens, score = exhaustive_best(dist, 0, max_len, alpha, min_len)
     assert len(tokens) >= min_len
@@ -213,8 +236,8 @@ def test_wide_beam_finds_exhaustive_optimum(seed: int, alpha: float, min_len: in
 def test_beam1_equals_greedy_at_alpha0(seed: int) -> None:
     dist = random_table(seed)
     max_lens = torch.tensor([6, 2, 9, 4])
-    beam = beam_search(TableDecoder(dist, 4), max_lens, beam=1, alpha=0.0)
-    greedy = greedy_decode(TableDecoder(dist, 4), max_lens)
+    beam = run_beam(TableDecoder(dist, 4), max_lens, beam=1, alpha=0.0)
+    greedy = run_greedy(TableDecoder(dist, 4), max_lens)
     for b_hyps, g in zip(beam, greedy, strict=True):
         assert b_hyps[0].tokens == g.tokens
         assert b_hyps[0].log_prob == pytest.approx(g.log_prob, abs=1e-5)
@@ -225,9 +248,9 @@ def test_batch_equals_one_by_one(seed: int) -> None:
     """Sentences with different budgets finish at different steps and leave the batch."""
     dist = random_table(seed)
     max_lens = torch.tensor([1, 7, 3, 5, 0])
-    batch = beam_search(TableDecoder(dist, 5), max_lens, beam=3, alpha=0.6, nbest=3)
+    batch = run_beam(TableDecoder(dist, 5), max_lens, beam=3, alpha=0.6, nbest=3)
     for i, budget in enumerate(max_lens.tolist()):
-        alone = beam_search(TableDecoder(lambda _s, p, i=i: dist(i, p)),
+        alone = run_beam(TableDecoder(lambda _s, p, i=i: dist(i, p)),
                             torch.tensor([budget]), beam=3, alpha=0.6, nbest=3)
         assert [h.tokens for h in batch[i]] == [h.tokens for h in alone[0]]
         for x, y in zip(batch[i], alone[0], strict=True):
@@ -248,13 +271,13 @@ def test_ensemble_averages_probabilities() -> None:
 
 def test_filter_log_probs_top_k_and_top_p() -> None:
     logp = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
-    kept = torch.isfinite(filter_log_probs(logp, top_k=2)).tolist()
+    kept = torch.isfinite(filter_log_probs(logp, top_k=2, top_p=1.0)).tolist()
     assert kept == [[True, True, False, False]]
-    kept = torch.isfinite(filter_log_probs(logp, top_p=0.8)).tolist()  # .5 + .3 reach .8
+    kept = torch.isfinite(filter_log_probs(logp, top_k=0, top_p=0.8)).tolist()  # .5+.3 = .8
     assert kept == [[True, True, False, False]]
-    kept = torch.isfinite(filter_log_probs(logp, top_p=0.81)).tolist()
+    kept = torch.isfinite(filter_log_probs(logp, top_k=0, top_p=0.81)).tolist()
     assert kept == [[True, True, True, False]]
-    kept = torch.isfinite(filter_log_probs(logp, top_p=0.1)).tolist()  # best always kept
+    kept = torch.isfinite(filter_log_probs(logp, top_k=0, top_p=0.1)).tolist()  # best is kept
     assert kept == [[True, False, False, False]]
 
 
@@ -262,14 +285,14 @@ def test_sampling_follows_the_distribution_and_seed() -> None:
     dist = lambda _s, _p: {A: 0.7, EOS_ID: 0.3}  # noqa: E731
     max_lens = torch.full((2000,), 1)
     gen = torch.Generator().manual_seed(0)
-    hyps = sample_decode(TableDecoder(dist, 2000), max_lens, generator=gen, min_len=0)
+    hyps = run_sampling(TableDecoder(dist, 2000), max_lens, generator=gen, min_len=0)
     share_a = sum(h.tokens == [A] for h in hyps) / len(hyps)
     assert share_a == pytest.approx(0.7, abs=0.04)
-    again = sample_decode(TableDecoder(dist, 2000), max_lens,
+    again = run_sampling(TableDecoder(dist, 2000), max_lens,
                           generator=torch.Generator().manual_seed(0), min_len=0)
     assert [h.tokens for h in again] == [h.tokens for h in hyps]
     # top-k 1 makes sampling greedy.
-    top1 = sample_decode(TableDecoder(dist, 50), torch.full((50,), 1), top_k=1)
+    top1 = run_sampling(TableDecoder(dist, 50), torch.full((50,), 1), top_k=1)
     assert all(h.tokens == [A] for h in top1)
 
 
@@ -284,216 +307,6 @@ def test_length_helpers() -> None:
 def test_hypothesis_is_plain_data() -> None:
     h = Hypothesis([A], -1.0, -1.0)
     assert h.tokens == [A] and h.score == -1.0
-
-
-# --- Invariants on a real (tiny, random-init, sharpened) Transformer -------------------
-
-
-def tiny_model(seed: int = 0, vocab: int = 40):
-    from nmt.config import model_preset
-    from nmt.model import Transformer
-
-    torch.manual_seed(seed)
-    model = Transformer(model_preset("tiny", vocab_size=vocab, max_positions=64)).eval()
-    with torch.no_grad():
-        model.embed.weight.mul_(4.0)  # decisive, input-dependent outputs
-    return model
-
-
-def padded(sources: list[list[int]]) -> torch.Tensor:
-    src = torch.full((len(sources), max(map(len, sources)) + 1), PAD_ID)
-    for i, ids in enumerate(sources):
-        src[i, : len(ids) + 1] = torch.tensor([*ids, EOS_ID])
-    return src  # (batch, src_len)
-
-
-SOURCES = [[5, 9, 11, 7, 30, 12, 8], [17], [6, 6, 21, 33], [4, 39, 25, 10, 13, 18, 27, 22, 9]]
-
-
-@torch.no_grad()
-@pytest.mark.parametrize("alpha", [0.0, 0.6])
-def test_model_sentence_alone_equals_inside_batch(alpha: float) -> None:
-    from nmt.search import ModelStepDecoder
-
-    model = tiny_model()
-    src = padded(SOURCES)
-    max_lens = max_output_lengths(src, 1.0, 3, cap=63)
-    batch = beam_search(ModelStepDecoder(model, src), max_lens, beam=4, alpha=alpha, nbest=2)
-    assert len({tuple(h[0].tokens) for h in batch}) > 1  # outputs depend on the input
-    for i, ids in enumerate(SOURCES):
-        one = padded([ids])
-        alone = beam_search(ModelStepDecoder(model, one), max_output_lengths(one, 1.0, 3),
-                            beam=4, alpha=alpha, nbest=2)[0]
-        assert [h.tokens for h in alone] == [h.tokens for h in batch[i]]
-        for x, y in zip(alone, batch[i], strict=True):
-            assert x.score == pytest.approx(y.score, abs=1e-4)
-
-
-@torch.no_grad()
-def test_model_incremental_equals_full_redecoding() -> None:
-    """Scores from the KV-cached search equal teacher-forced re-decoding of the output."""
-    from nmt.search import ModelStepDecoder, greedy_search
-
-    model = tiny_model(seed=3)
-    src = padded(SOURCES)
-    hyps = beam_search(ModelStepDecoder(model, src), max_output_lengths(src, 1.0, 5),
-                       beam=3, alpha=0.6, nbest=3)
-    enc = model.encode(src)
-    for i, sent in enumerate(hyps):
-        for h in sent:
-            tgt_in = torch.tensor([[BOS_ID, *h.tokens]])  # (1, T)
-            one = type(enc)(states=enc.states[i : i + 1],
-                            padding_mask=enc.padding_mask[i : i + 1])
-            logp = torch.log_softmax(model.decode(tgt_in, one).float(), dim=-1)[0]  # (T, V)
-            gold = torch.tensor([*h.tokens, EOS_ID])
-            full = logp.gather(1, gold.unsqueeze(1)).sum().item()
-            assert h.log_prob == pytest.approx(full, abs=1e-4)
-            assert h.score == pytest.approx(full / lp(len(h.tokens) + 1, 0.6), abs=1e-4)
-    # Greedy on the cache equals step-by-step argmax of full re-decoding.
-    greedy = greedy_search(model, src, 1.0, 5)
-    for i, tokens in enumerate(greedy):
-        one = type(enc)(states=enc.states[i : i + 1], padding_mask=enc.padding_mask[i : i + 1])
-        prefix = [BOS_ID]
-        limit = int(max_output_lengths(src[i : i + 1], 1.0, 5))
-        while len(prefix) <= limit:
-            logits = model.decode(torch.tensor([prefix]), one)[0, -1].float()
-            logits[[PAD_ID, BOS_ID]] = -math.inf
-            nxt = int(logits.argmax())
-            if nxt == EOS_ID:
-                break
-            prefix.append(nxt)
-        assert tokens == prefix[1:]
-
-
-@torch.no_grad()
-def test_beam_cache_is_grouped_per_sentence_and_reorders_without_copies() -> None:
-    """Performance layout: encoder K/V once per sentence, step 0 computed once per sentence,
-    and beam reordering moves no key/value (only the ancestry table), yet the search
-    result equals that of a decoder that re-decodes every prefix in full."""
-    from nmt.search import ModelStepDecoder
-
-    model = tiny_model(seed=5)
-    src = padded(SOURCES)
-    beam = 3
-    dec = ModelStepDecoder(model, src)
-    sizes: list[int] = []
-    step, reorder = dec.step, dec.reorder
-    buffers: list[tuple[int, int, int]] = []  # (rows before, rows after, buffer kept?)
-
-    def counting_step(tokens: torch.Tensor) -> torch.Tensor:
-        sizes.append(tokens.numel())
-        return step(tokens)
-
-    def tracking_reorder(new_order: torch.Tensor) -> None:
-        before, ptr = dec.state.rows, dec.state.self_k[0].data_ptr()
-        reorder(new_order)
-        buffers.append((before, dec.state.rows, int(dec.state.self_k[0].data_ptr() == ptr)))
-
-    dec.step, dec.reorder = counting_step, tracking_reorder  # type: ignore[method-assign]
-    max_lens = max_output_lengths(src, 1.0, 4)
-    hyps = beam_search(dec, max_lens, beam=beam, alpha=0.6, nbest=beam)
-    assert sizes[0] == len(SOURCES) and sizes[1] == len(SOURCES) * beam
-    assert dec.state.group_size == beam
-    assert dec.state.cross_k[0].size(0) == dec.state.rows // beam  # one copy per sentence
-    within = [kept for before, after, kept in buffers[1:] if before == after]
-    assert within and all(within)  # same-size reorders reuse the very same K/V buffers
-    assert any(after < before for before, after, _ in buffers)  # finished sentences left
-
-    class FullRedecoder:
-        """Reference StepDecoder: re-decodes each row's whole prefix, no cache at all."""
-
-        def __init__(self) -> None:
-            self.enc = model.encode(src)
-            self.rows = torch.arange(len(SOURCES))
-            self.prefix = torch.full((len(SOURCES), 0), BOS_ID)
-
-        def step(self, tokens: torch.Tensor) -> torch.Tensor:
-            self.prefix = torch.cat([self.prefix, tokens[:, None]], dim=1)  # (N, t+1)
-            enc = type(self.enc)(states=self.enc.states[self.rows],
-                                 padding_mask=self.enc.padding_mask[self.rows])
-            logits = model.decode(self.prefix, enc)[:, -1].float()  # (N, V)
-            return torch.log_softmax(logits, dim=-1)
-
-        def reorder(self, new_order: torch.Tensor) -> None:
-            self.rows, self.prefix = self.rows[new_order], self.prefix[new_order]
-
-    reference = beam_search(FullRedecoder(), max_lens, beam=beam, alpha=0.6, nbest=beam)
-    for got, want in zip(hyps, reference, strict=True):
-        assert [h.tokens for h in got] == [h.tokens for h in want]
-        for x, y in zip(got, want, strict=True):
-            assert x.score == pytest.approx(y.score, abs=1e-4)
-
-
-@torch.no_grad()
-def test_model_step_rows_equals_full_step_on_those_rows() -> None:
-    """Leaving finished rows out of a step (`step_rows`) changes nothing for the others."""
-    from nmt.search import ModelStepDecoder
-
-    model = tiny_model(seed=7)
-    src = padded(SOURCES)
-    beam = 3
-    full, part = ModelStepDecoder(model, src), ModelStepDecoder(model, src)
-    expand = torch.arange(len(SOURCES)).repeat_interleave(beam)
-    live = torch.tensor([0, 1, 2, 6, 7, 8])  # sentences 0 and 2; 1 and 3 finished
-    gen = torch.Generator().manual_seed(0)
-    for t in range(6):
-        tokens = torch.randint(4, 40, (len(SOURCES) * (1 if t == 0 else beam),), generator=gen)
-        want = full.step(tokens).clone()  # (rows, V)
-        if t <= 1:
-            got = part.step(tokens)
-        else:
-            got = part.step_rows(tokens[live], live, len(SOURCES) * beam)  # (6, V)
-            want = want[live]
-        assert torch.allclose(got, want, atol=1e-5)
-        order = expand if t == 0 else torch.randperm(beam, generator=gen).repeat(
-            len(SOURCES)) + torch.arange(len(SOURCES)).repeat_interleave(beam) * beam
-        full.reorder(order)
-        part.reorder(order)
-
-
-@torch.no_grad()
-@pytest.mark.parametrize("alpha", [0.0, 0.6])
-def test_lazy_compaction_equals_eager(alpha: float, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Keeping finished sentences in the decoder until compaction is exact: compacting at
-    every finish, at 25 % and never give identical hypotheses and scores."""
-    import nmt.search
-    from nmt.search import ModelStepDecoder
-
-    model = tiny_model(seed=11)
-    sources = SOURCES + [[7, 7, 8], [30, 31], [12, 13, 14, 15, 16]]
-    src = padded(sources)
-    max_lens = max_output_lengths(src, 1.0, 4, cap=63)
-    results = []
-    for compact_at in (0.0, 0.25, 1.0):
-        monkeypatch.setattr(nmt.search, "COMPACT_AT", compact_at)
-        hyps = beam_search(ModelStepDecoder(model, src), max_lens, beam=4, alpha=alpha,
-                           nbest=2)
-        results.append([[(h.tokens, h.score, h.log_prob) for h in sent] for sent in hyps])
-    assert results[0] == results[1] == results[2]
-    assert len({tuple(r[0][0]) for r in results[0]}) > 1
-
-
-@torch.no_grad()
-def test_decoder_memory_is_pooled_across_batches() -> None:
-    """A finished ModelStepDecoder leaves its cache memory to the model's next one, which
-    decodes exactly as a fresh one would."""
-    from nmt.search import _POOLS, ModelStepDecoder
-
-    model = tiny_model(seed=2)
-    src = padded(SOURCES)
-    max_lens = max_output_lengths(src, 1.0, 4, cap=63)
-    first = beam_search(ModelStepDecoder(model, src), max_lens, beam=4, alpha=0.6)
-    assert model in _POOLS  # the decoder was garbage-collected and left its buffers
-    pooled = {b.data_ptr() for b in _POOLS[model][0]}
-    dec = ModelStepDecoder(model, src)
-    assert model not in _POOLS  # taken exclusively: a second live decoder allocates anew
-    other = ModelStepDecoder(model, src)
-    assert other._pool is None
-    second = beam_search(dec, max_lens, beam=4, alpha=0.6)
-    cache = dec.state.self_k[0]
-    assert (cache if cache._base is None else cache._base).data_ptr() in pooled
-    assert [[(h.tokens, h.score) for h in s] for s in first] == \
-        [[(h.tokens, h.score) for h in s] for s in second]
 
 
 @pytest.mark.parametrize("vocab", [40, 8000, 8037])

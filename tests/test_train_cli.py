@@ -44,7 +44,8 @@ def test_cli_trains_resumes_and_logs(m30k_data, tmp_path):
     assert done.stdout == ""  # data only on stdout; progress and messages on stderr
     assert "update 6" in done.stderr and "checkpoint_6.pt" in done.stderr
     assert sorted(p.name for p in run.glob("checkpoint_*.pt")) == [
-        "checkpoint_3.pt", "checkpoint_6.pt", "checkpoint_last.pt"]
+        "checkpoint_3.pt", "checkpoint_6.pt", "checkpoint_best.pt", "checkpoint_last.pt"]
+    assert load_checkpoint(run / "checkpoint_best.pt")["step"] == 4  # the one validation
     records = read_jsonl(run / "train_log.jsonl")
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [2, 4, 6]

@@ -6,7 +6,10 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import torch
+
 from nmt.bpe import BpeConfig, run_bpe
+from nmt.config import ModelConfig, TrainConfig
 from nmt.data.dataset import ParallelData, load_vocab
 
 WORDS = ("red blue green cat dog bird tree house river stone moon sun car boat "
@@ -44,6 +47,21 @@ def make_copy_data(data_dir: Path, n_train: int = 400, n_valid: int = 40,
         "train": copy_task_pairs(n_train, seed=1, reverse=reverse, max_len=max_len),
         "valid": copy_task_pairs(n_valid, seed=2, reverse=reverse, max_len=max_len),
     }, vocab_size=360)
+
+
+def train_one_thread(data_dir: Path, run_dir: Path, model_cfg: ModelConfig,
+                     cfg: TrainConfig) -> Path:
+    """Train a test model on the CPU with one thread (deterministic, and no oversubscribed
+    cores); returns RUN/checkpoint_last.pt."""
+    from nmt.train.loop import train
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(data_dir, run_dir, model_cfg, cfg, device="cpu", progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    return run_dir / "checkpoint_last.pt"
 
 
 def test_fixture_data_reads_back(tmp_path):

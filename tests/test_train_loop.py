@@ -13,7 +13,7 @@ from nmt.checkpoint import load_checkpoint
 from nmt.config import TrainConfig, model_preset
 from nmt.errors import CheckpointError, TrainingAborted
 from nmt.train.log import read_jsonl
-from nmt.train.loop import derive_update_freq, train
+from nmt.train.loop import derive_batching, train
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,65 @@ def test_nonfinite_loss_never_reaches_weights(copy_data, tmp_path, monkeypatch):
     assert load_checkpoint(tmp_path / "r" / "checkpoint_last.pt")["step"] == 2
 
 
-def test_batch_tokens_derives_update_freq():
-    assert derive_update_freq(TrainConfig(batch_tokens=25000, max_tokens=4096), 1) == 7
-    assert derive_update_freq(TrainConfig(batch_tokens=25000, max_tokens=4096), 8) == 1
-    assert derive_update_freq(TrainConfig(update_freq=3), 4) == 3
+def test_batch_tokens_derives_update_freq_and_micro_batch_size():
+    """--batch-tokens is the update's size on any number of processes; --max-tokens caps
+    a micro-batch: the paper's 25,000 on 1 and on 8 GPUs."""
+    one = derive_batching(TrainConfig(batch_tokens=25000, max_tokens=4096), 1)
+    assert (one.update_freq, one.micro_tokens) == (7, 3572)  # 7 x 3572 = 25,004
+    eight = derive_batching(TrainConfig(batch_tokens=25000, max_tokens=12000), 8)
+    assert (eight.update_freq, eight.micro_tokens) == (1, 3125)  # not 8 x 12000
+    big_cap = derive_batching(TrainConfig(batch_tokens=25000, max_tokens=12000), 1)
+    assert (big_cap.update_freq, big_cap.micro_tokens) == (3, 8334)
+    for world in range(1, 17):
+        for cap in (1024, 3000, 4096, 12000, 30000):
+            got = derive_batching(TrainConfig(batch_tokens=25000, max_tokens=cap), world)
+            assert got.micro_tokens <= cap
+            per_update = world * got.update_freq * got.micro_tokens
+            assert 25000 <= per_update < 25000 + world * got.update_freq
+    tiny = derive_batching(TrainConfig(batch_tokens=300, max_tokens=256, max_len=128), 4)
+    assert tiny.micro_tokens == 128  # never below --max-len: long pairs still fit
+    plain = derive_batching(TrainConfig(update_freq=3, max_tokens=999), 4)
+    assert (plain.update_freq, plain.micro_tokens) == (3, 999)
+
+
+@pytest.mark.parametrize("update_freq, max_epochs", [(2, 0), (1, 3)])
+def test_prefetching_the_next_update_changes_nothing(copy_data, tmp_path, update_freq,
+                                                     max_epochs):
+    """The CUDA path prepares the next update's batches on a thread while the current one
+    computes; forced on here, it gives the weights, log and data position of the in-line
+    CPU path, across epoch ends and an epoch limit."""
+    torch.set_num_threads(1)
+    cfg = _cfg(max_updates=40, update_freq=update_freq, max_epochs=max_epochs,
+               save_interval_updates=5)
+    runs = {}
+    for prefetch in (False, True):
+        trainer = loop.Trainer(copy_data, tmp_path / str(prefetch), MODEL, cfg, "cpu",
+                               progress=False)
+        trainer.prefetch = prefetch
+        summary = trainer.run()
+        runs[prefetch] = (summary, load_checkpoint(tmp_path / str(prefetch) /
+                                                   "checkpoint_last.pt"))
+    (a, ca), (b, cb) = runs[False], runs[True]
+    assert (a.step, a.epoch) == (b.step, b.epoch) and ca["data_state"] == cb["data_state"]
+    if max_epochs:
+        assert a.step < 40 and ca["data_state"]["epoch"] == max_epochs + 1
+    assert a.losses == b.losses
+    assert all(torch.equal(ca["model"][k], cb["model"][k]) for k in ca["model"])
+
+
+def test_fused_projected_loss_trains_like_the_reference(copy_data, tmp_path):
+    """The CUDA path projects and scores the target rows chunk by chunk (never the whole
+    logits); forced on over CPU in fp32 it trains to the same losses as the reference loss,
+    to float rounding. (Weights are not compared: parameters whose true gradient is zero,
+    like the key biases, get rounding noise that Adam scales up to full-size steps either
+    way; tests/test_projected_loss.py compares the gradients themselves.)"""
+    torch.set_num_threads(1)
+    cfg = _cfg(max_updates=12, precision="fp32", save_interval_updates=0)
+    results = {}
+    for fused in (False, True):
+        trainer = loop.Trainer(copy_data, tmp_path / str(fused), MODEL, cfg, "cpu",
+                               progress=False)
+        trainer.fused_loss = fused
+        results[fused] = trainer.run()
+    assert len(results[True].losses) == 12
+    assert results[False].losses == pytest.approx(results[True].losses, rel=1e-4)

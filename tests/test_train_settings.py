@@ -86,3 +86,43 @@ def test_shipped_multi30k_recipe_has_a_valid_schedule(tmp_path: Path) -> None:
     assert (model.d_model, model.d_ff, model.heads, model.encoder_layers) == (256, 1024, 4, 3)
     assert train.warmup == training["warmup"] and train.lr_scale == training["lr_scale"]
     assert set(sources) == set(training)
+
+
+def test_per_arch_table_applies_only_to_that_arch(tmp_path: Path) -> None:
+    data = _data_dir(tmp_path, "max_updates = 100000\nkeep_last = 5\n"
+                               "[training.big]\nmax_updates = 300000\nkeep_last = 20\n"
+                               "dropout = 0.1")
+    model, train, sources = resolve(data, None, {}, {})  # base (the default arch)
+    assert (train.max_updates, train.keep_last, model.dropout) == (100000, 5, 0.1)
+    model, train, sources = resolve(data, "big", {}, {"keep_last": 7})
+    assert (train.max_updates, train.keep_last, model.dropout) == (300000, 7, 0.1)
+    assert sources["max_updates"] == "300000 (recipe toy [training.big])"
+    assert sources["keep_last"] == "7 (flag)"
+    assert "dropout" in sources  # big's preset says 0.3; the recipe's table says 0.1
+
+
+@pytest.mark.parametrize("table, message", [
+    ("[training.huge]\nwarmup = 1", "training.huge: unknown key"),
+    ("[training.big]\nwarmpu = 1", "training.big.warmpu: unknown key"),
+    ('[training.big]\narch = "base"', "training.big.arch: unknown key"),
+    ("[training.big]\n[training.big.base]\nwarmup = 1", "training.big.base: unknown key"),
+])
+def test_bad_per_arch_table_is_a_usage_error(tmp_path: Path, table: str, message: str) -> None:
+    _data_dir(tmp_path, table)
+    with pytest.raises(UsageError, match=message):
+        load_recipe(str(tmp_path / "toy.toml"))
+
+
+@pytest.mark.parametrize("recipe, big_dropout", [("wmt14-en-de", 0.3), ("wmt14-en-fr", 0.1)])
+def test_shipped_wmt_recipes_carry_the_papers_gpu_schedule(tmp_path: Path, recipe: str,
+                                                           big_dropout: float) -> None:
+    (tmp_path / "manifest.json").write_text(json.dumps({"recipe": recipe}))
+    model, train, _ = resolve(tmp_path, None, {}, {})
+    assert (model.d_model, model.dropout) == (512, 0.1)  # base
+    assert (train.batch_tokens, train.warmup, train.lr_scale, train.label_smoothing) == (
+        25000, 4000, 1.0, 0.1)
+    assert train.max_tokens >= 4096 and train.precision == "auto"
+    assert (train.max_updates, train.save_interval_minutes, train.keep_last) == (100000, 10, 20)
+    model, train, sources = resolve(tmp_path, "big", {}, {})
+    assert (model.d_model, model.dropout, train.max_updates) == (1024, big_dropout, 300000)
+    assert sources["max_updates"].endswith(f"(recipe {recipe} [training.big])")

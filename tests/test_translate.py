@@ -23,7 +23,7 @@ from test_translate_util import (
 
 from nmt.config import DecodeConfig
 from nmt.precision import resolve_precision
-from nmt.translate import Translator, batches_by_tokens, read_lines, translate_stream
+from nmt.translate import Translator, read_lines, source_batches, translate_stream
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -180,8 +180,8 @@ def test_stream_in_process_and_helpers(ckpt: Path) -> None:
 
     assert list(read_lines(io.BytesIO(b"a\r\nb\n\nc"))) == [b"a\r", b"b", b"", b"c"]
     # Sorted lengths 1, 2, 5, 9 (+ EOS): 2 x 3 = 6 fits 12; 3 x 6 = 18 does not; 2 x 10 > 12.
-    assert batches_by_tokens([5, 1, 9, 2], 12) == [[1, 3], [0], [2]]
-    assert batches_by_tokens([50], 12) == [[0]]  # too long for the budget: alone
+    assert source_batches([5, 1, 9, 2], 12) == [[1, 3], [0], [2]]
+    assert source_batches([50], 12) == [[0]]  # too long for the budget: alone
     translator = Translator.load([ckpt], DecodeConfig(beam=2, max_len_b=3), device="cpu",
                                  max_src_len=5)
     sink = io.BytesIO()
@@ -224,3 +224,14 @@ def test_ctrl_c_ends_even_when_the_interrupt_is_swallowed(tmp_path: Path) -> Non
     proc.send_signal(signal.SIGINT)  # lands in __del__: Python ignores it there
     assert proc.wait(timeout=30) == 130
     assert b"nmt translate: interrupted" in proc.stderr.read()
+
+
+def test_output_text_never_holds_a_line_break_of_any_kind() -> None:
+    """A generated piece can hold \\x1c, NEL or U+2028, which str.splitlines() and many
+    readers treat as line ends: written as spaces, one line stays one line."""
+    from nmt.translate import sanitize
+
+    text = "a\nb\rc\x0bd\x0ce\x1cf\x1dg\x1eh\x85i\u2028j\u2029k\x06l"
+    clean = sanitize(text)
+    assert len(clean.splitlines()) == 1 and len(clean) == len(text)
+    assert clean == "a b c d e f g h i j k\x06l"

@@ -41,11 +41,15 @@ def length_order(src_lens: np.ndarray, tgt_lens: np.ndarray) -> np.ndarray:
 
 
 def batch_by_tokens(src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int,
-                    max_len: int) -> Batches:
+                    max_len: int, oversize_alone: bool = False) -> Batches:
     """Group pairs into batches of at most `max_tokens` padded tokens (vectorised).
 
-    Pairs whose cost exceeds `max_len` (or `max_tokens`) are skipped and counted. Batches
-    come out in length order; shuffle them with `epoch_order`.
+    A pair's cost is its longer side plus EOS/BOS; a batch's size is its pair count times
+    its largest cost (what fills memory). Pairs whose cost exceeds `max_len` are skipped
+    and counted, and so are those above `max_tokens` unless `oversize_alone` (translation,
+    which must output every line: such a pair gets a batch of its own). Batches come out
+    in length order; training shuffles them with `epoch_order`. Translation batches source
+    lines alone by passing target lengths of 0.
     """
     src = np.asarray(src_lens, np.int64)
     tgt = np.asarray(tgt_lens, np.int64)
@@ -53,7 +57,7 @@ def batch_by_tokens(src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int,
         raise ValueError(f"{src.shape[0]} source lengths but {tgt.shape[0]} target lengths")
     costs = pair_costs(src, tgt)
     order = length_order(src, tgt)
-    limit = min(max_len, max_tokens)
+    limit = max_len if oversize_alone else min(max_len, max_tokens)
     keep = order[costs[order] <= limit]
     skipped = int(src.shape[0] - keep.shape[0])
     sorted_costs = costs[keep]  # non-decreasing
@@ -67,6 +71,7 @@ def batch_by_tokens(src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int,
     n = keep.shape[0]
     while start < n:
         end = int(np.searchsorted(g, start, side="right"))  # one past the last that fits
+        end = max(end, start + 1)  # an oversize pair (oversize_alone) goes alone
         batches.append(keep[start:end])
         start = end
     return Batches(batches, skipped)

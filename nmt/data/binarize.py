@@ -25,25 +25,11 @@ from nmt.vocab import Vocab
 UINT16_MAX_PIECES = 65535  # vocabularies up to this size are stored as uint16
 CHUNK_LINES = 65536  # lines encoded per sentencepiece call: big enough for its thread pool
 _NPY_HEADER_BYTES = 128  # fixed .npy v1.0 header size (multiple of 64, room for any length)
-_READ_BYTES = 1 << 24
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
     """uint16 when every id fits (<= 65535 pieces), else int32."""
     return np.dtype(np.uint16) if vocab_size <= UINT16_MAX_PIECES else np.dtype(np.int32)
-
-
-def count_lines(path: Path) -> int:
-    """Number of lines as `wc -l` counts them, plus a last line without a newline."""
-    count, last = 0, b"\n"
-    try:
-        with open(path, "rb") as handle:
-            while block := handle.read(_READ_BYTES):
-                count += block.count(b"\n")
-                last = block[-1:]
-    except OSError as err:
-        raise DataError(f"{path}: cannot read ({err.strerror or err})") from err
-    return count + (last != b"\n")
 
 
 def _first_bad_line(path: Path) -> int:

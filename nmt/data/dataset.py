@@ -1,4 +1,5 @@
-"""Read-only, memory-mapped access to what `nmt bpe DATA` wrote under DATA/bin.
+"""Read-only, memory-mapped access to what `nmt bpe DATA` wrote under DATA/bin, and the
+training split's corpora (line ranges and sampling weights) from DATA/manifest.json.
 
 Nothing is loaded into memory up front: a 36M-line corpus opens in milliseconds and every
 training process shares the same pages. Files are checked on open (shapes, dtypes,
@@ -10,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -21,6 +22,7 @@ from nmt.vocab import Vocab
 BIN_DIR = "bin"
 META_FILE = "meta.json"
 SPM_MODEL = "spm.model"
+MANIFEST_FILE = "manifest.json"  # written by `nmt prep`
 _CHECK_CHUNK = 1 << 22  # offsets checked this many at a time (bounded temporaries)
 
 
@@ -175,3 +177,98 @@ def load_vocab(data_dir: Path) -> Vocab:
             raise DataError(f"{path}: differs from the model {meta_path} was built with; "
                             f"{_hint(data_dir)} again")
     return Vocab(proto)
+
+
+class CorpusRange(NamedTuple):
+    """Training lines [start, stop) came from corpus `name`. `weight`: the recipe's sampling
+    weight, or None when the recipe gives none (see `corpus_ranges`)."""
+
+    name: str
+    start: int
+    stop: int
+    weight: float | None
+
+
+def corpus_ranges(data_dir: Path) -> list[CorpusRange]:
+    """The training split's corpora, in line order, covering lines 0..N-1 exactly.
+
+    From the `splits.train.corpora` entries `nmt prep` writes into DATA/manifest.json;
+    `nmt bpe` keeps one binarized line per text line, so the ranges index
+    ParallelData.open(DATA, "train") directly. A DATA dir without such entries (made by hand
+    or by an older nmt) is one unweighted corpus spanning the whole binarized split.
+
+    Sampling contract for the trainer: with no weights (all None) an epoch visits every
+    pair once, as without this function. With weights, an epoch has as many pairs as the
+    training split (N), and corpus i supplies a share w_i / sum(w) of them (fairseq's
+    sampling ratios; 0.5/0.25/0.25 equals 2/1/1): a corpus whose share exceeds its size
+    is repeated, a smaller share is a sample of it. `epoch_shares` gives the shares.
+    DataError when the manifest and DATA/bin disagree (re-run `nmt prep` / `nmt bpe`).
+    """
+    data_dir = Path(data_dir)
+    train = _manifest_train(data_dir)
+    meta_lines, meta_bytes = _binarized_train(data_dir)
+    entries = train.get("corpora") if train else None
+    if not entries or not all(isinstance(e, dict) and "lines" in e for e in entries):
+        if meta_lines is None:
+            raise DataError(f"{data_dir / BIN_DIR / META_FILE}: no binarized training "
+                            f"split; {_hint(data_dir)}")
+        return [CorpusRange("train", 0, meta_lines, None)]
+    path = data_dir / MANIFEST_FILE
+    ranges, start = [], 0
+    for entry in entries:
+        name, lines, weight = entry.get("name"), entry.get("lines"), entry.get("weight")
+        if not isinstance(name, str) or not isinstance(lines, int) or lines < 0 or \
+                entry.get("start", start) != start or not (
+                    weight is None or (isinstance(weight, (int, float)) and weight > 0)):
+            raise DataError(f"{path}: malformed training corpus entry {entry!r}; re-run "
+                            "`nmt prep`")
+        ranges.append(CorpusRange(name, start, start + lines, weight))
+        start += lines
+    if start != train.get("lines"):
+        raise DataError(f"{path}: training corpora add up to {start} lines but the split "
+                        f"has {train.get('lines')}; re-run `nmt prep`")
+    if len({r.weight is None for r in ranges}) > 1:
+        raise DataError(f"{path}: some training corpora have a weight and some not; re-run "
+                        "`nmt prep`")
+    text_bytes = train.get("src", {}).get("bytes")
+    if (meta_lines is not None and meta_lines != start) or (
+            meta_bytes is not None and text_bytes is not None and meta_bytes != text_bytes):
+        raise DataError(f"{data_dir / BIN_DIR / META_FILE}: the binarized training split was "
+                        f"made from other text than {path} describes; run `nmt bpe "
+                        f"{data_dir}` again")
+    return ranges
+
+
+def epoch_shares(ranges: list[CorpusRange]) -> list[float]:
+    """The fraction of an epoch's pairs each corpus supplies: the normalised weights, or
+    each corpus's own share of the lines when unweighted."""
+    if any(r.weight is None for r in ranges):
+        total = sum(r.stop - r.start for r in ranges)
+        return [(r.stop - r.start) / total if total else 0.0 for r in ranges]
+    weight_sum = sum(float(r.weight or 0.0) for r in ranges)
+    return [float(r.weight or 0.0) / weight_sum for r in ranges]
+
+
+def _manifest_train(data_dir: Path) -> dict[str, Any] | None:
+    """DATA/manifest.json's `splits.train` entry (None without a manifest)."""
+    path = data_dir / MANIFEST_FILE
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise DataError(f"{path}: unreadable ({err}); re-run `nmt prep`") from err
+    train = manifest.get("splits", {}).get("train") if isinstance(manifest, dict) else None
+    return train if isinstance(train, dict) else None
+
+
+def _binarized_train(data_dir: Path) -> tuple[int | None, int | None]:
+    """(lines, bytes of the train.src it was encoded from) of DATA/bin's training split per
+    meta.json; None for what is not known (before `nmt bpe`)."""
+    if not (data_dir / BIN_DIR / META_FILE).is_file():
+        return None, None
+    train = read_meta(data_dir)["splits"].get("train")
+    if not isinstance(train, dict):
+        return None, None
+    size = train.get("inputs", {}).get("train.src", {}).get("size")
+    return train.get("lines"), size

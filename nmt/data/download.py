@@ -4,7 +4,8 @@ A mirror directory is searched by the URL's file name before any network access 
 `.gz` URL an uncompressed copy named without `.gz` is accepted too). Downloads go to
 `DEST.part`, resume with an HTTP Range request, and are renamed to `DEST` only after the
 checksums the recipe gives have matched; a mismatch removes the `.part` and writes nothing.
-Progress goes to a `Reporter` (rich bars on stderr from the CLI); nothing is printed here.
+Progress goes to a `Reporter` (the CLI's draws rich bars on stderr: cli/progress.py);
+nothing is printed here.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import urllib.request
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from nmt.errors import DownloadError, IntegrityError
 from nmt.fileio import CHUNK
@@ -94,12 +95,14 @@ def verify(local: LocalFile, reporter: Reporter | None = None) -> dict[str, str 
     """Check every checksum the recipe gives that applies to `local`; return what matched.
 
     sha256, md5 and size describe the file as published, so they are skipped for an
-    uncompressed mirror copy; content_sha256 is checked on the decompressed bytes.
+    uncompressed mirror copy; content_sha256 is checked on the decompressed bytes. A local
+    file (`path` archive) is always hashed: its sha256 is returned as its identity.
     Raises IntegrityError naming the file, the expected and the actual value.
     """
     archive, reporter = local.archive, reporter or NullReporter()
     checked: dict[str, str | int] = {}
-    if not local.uncompressed and (archive.sha256 or archive.md5 or archive.size):
+    if not local.uncompressed and (archive.sha256 or archive.md5 or archive.size
+                                   or archive.local):
         size = local.path.stat().st_size
         if archive.size is not None and size != archive.size:
             raise _mismatch(local.path, "size", str(archive.size), str(size))
@@ -119,6 +122,8 @@ def verify(local: LocalFile, reporter: Reporter | None = None) -> dict[str, str 
                 if want != got:
                     raise _mismatch(local.path, name, want, got)
                 checked[name] = got
+        if archive.local:
+            checked["sha256"] = sha.hexdigest()
         if archive.size is not None:
             checked["size"] = size
     if archive.content_sha256:
@@ -260,51 +265,3 @@ def _fetch(url: str, part: Path, reporter: Reporter, timeout: float) -> None:
             reporter.done()
         if length is not None and received < int(length):
             raise EOFError(f"connection closed after {offset + received} of {total} bytes")
-
-
-class RichReporter:
-    """A Reporter drawing rich progress bars on a stderr console. Bars are shown only when
-    that console is a terminal, so logs and pipes get no control sequences. Refreshes are
-    driven by `advance` (at most 10 a second), not by a thread, so worker processes can
-    still be forked safely."""
-
-    def __init__(self, console: Any) -> None:
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            Progress,
-            TextColumn,
-            TimeRemainingColumn,
-        )
-        self._progress = Progress(TextColumn("{task.description}"), BarColumn(),
-                                  DownloadColumn(), TimeRemainingColumn(), console=console,
-                                  disable=not console.is_terminal, transient=True,
-                                  auto_refresh=False)
-        self._task: Any = None
-        self._last = 0.0
-
-    def __enter__(self) -> RichReporter:
-        self._progress.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._progress.stop()
-
-    def start(self, label: str, total: int | None) -> None:
-        """Add a bar for `label`."""
-        self._task = self._progress.add_task(label, total=total)
-
-    def advance(self, amount: int) -> None:
-        """Move the current bar."""
-        if self._task is not None:
-            self._progress.advance(self._task, amount)
-            now = time.monotonic()
-            if now - self._last > 0.1:
-                self._last = now
-                self._progress.refresh()
-
-    def done(self) -> None:
-        """Remove the current bar."""
-        if self._task is not None:
-            self._progress.remove_task(self._task)
-            self._task = None

@@ -9,13 +9,17 @@ on every node through torchrun's rendezvous flags, e.g. on each of 2 nodes
 
 (or `nmt train ... --gpus 8 --nnodes 2 --rdzv-endpoint HOST0:29500`, which passes them
 on). torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; `init_distributed` reads them and picks
-NCCL on CUDA, gloo on CPU. RUN must be on a filesystem rank 0 can write.
+NCCL on CUDA, gloo on CPU. Rank 0 alone writes RUN and takes every decision that depends on
+its files (resume or not, from which update); the other ranks follow its broadcast, so ranks
+never diverge into different collectives. A resume needs every rank to read the checkpoint
+rank 0 chose: RUN must be on a file system shared by every node.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import sys
 from collections.abc import Iterator
@@ -85,6 +89,12 @@ def init_distributed(device_type: str, timeout_minutes: float = 30.0) -> DistEnv
     env = DistEnv(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
                   int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
+        # torch._dynamo (imported by the first optimizer) keeps references to a process
+        # group that exists when it is first imported, so destroy_process_group could not
+        # free it: gloo's worker threads then outlived Python and aborted the process at
+        # exit now and then (SIGABRT, "terminate called without an active exception").
+        # Imported first, it holds none and `shutdown` ends the threads.
+        import torch._dynamo
         backend = "nccl" if device_type == "cuda" else "gloo"
         if device_type == "cuda":
             torch.cuda.set_device(env.local_rank)
@@ -98,18 +108,26 @@ def init_distributed(device_type: str, timeout_minutes: float = 30.0) -> DistEnv
 
 
 def shutdown(env: DistEnv) -> None:
-    """Leave the process group cleanly."""
+    """Leave the process group and free it, which ends gloo's worker threads.
+
+    A process group still referenced at interpreter exit keeps those threads alive while
+    Python finalizes; one that is just releasing a finished collective's tensors then needs
+    the GIL and aborts the process ("terminate called without an active exception",
+    pytorch issue 190489). The callers drop their own references (DDP) first; the
+    collection frees any left in reference cycles.
+    """
     if env.active and dist.is_initialized():
         dist.destroy_process_group()
+        gc.collect()
 
 
-def broadcast_flags(env: DistEnv, flags: list[bool], device: torch.device) -> list[bool]:
-    """Rank 0's decisions (save now? stop now?) on every rank: one tiny collective."""
+def broadcast_object(env: DistEnv, obj: Any) -> Any:
+    """Rank 0's `obj` on every rank (a decision taken once, e.g. whether to resume)."""
     if not env.active:
-        return flags
-    tensor = torch.tensor([int(f) for f in flags], dtype=torch.int64, device=device)
-    dist.broadcast(tensor, src=0)
-    return [bool(v) for v in tensor.tolist()]
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def gather_objects(env: DistEnv, obj: Any) -> list[Any]:

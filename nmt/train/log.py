@@ -1,7 +1,9 @@
-"""Training logs: RUN/train_log.jsonl (every metric) and progress on stderr.
+"""Training logs: RUN/train_log.jsonl (every metric) and progress through a reporter.
 
-On a terminal, a rich progress bar (update, loss, ppl, lr, tokens/s, ETA); otherwise one
-plain line per `--log-interval` updates. Only rank 0 creates these; nothing goes to stdout.
+The trainer tells a `TrainReporter` where it starts, every update, every log record and
+every one-off message; how that is shown is the caller's: `PlainReporter` writes one line
+per `--log-interval` updates to stderr (logs, pipes, library use); the CLI draws a rich
+bar on a terminal (cli/progress.py). Only rank 0 reports; nothing goes to stdout.
 """
 
 from __future__ import annotations
@@ -11,10 +13,7 @@ import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
-
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from typing import Any, Protocol, TextIO
 
 from nmt.fileio import atomic_output
 
@@ -119,45 +118,67 @@ def _fmt(record: dict[str, Any]) -> str:
             f"| tok/s {record['tokens_per_s']:.0f} | {record['elapsed_minutes']:.1f} min")
 
 
-class ProgressReporter:
-    """A rich bar on an interactive stderr, plain lines otherwise."""
+class TrainReporter(Protocol):
+    """What the trainer reports (rank 0 only)."""
 
-    def __init__(self, total: int, start: int, stream: TextIO | None = None,
-                 interactive: bool | None = None) -> None:
-        self.stream = stream if stream is not None else sys.stderr
-        if interactive is None:
-            interactive = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.interactive = interactive
-        self._progress: Progress | None = None
-        if interactive:
-            console = Console(file=self.stream, highlight=False)
-            self._progress = Progress(
-                TextColumn("update {task.completed}/{task.total}"), BarColumn(),
-                TextColumn("{task.fields[stats]}"), TimeRemainingColumn(), console=console,
-                transient=False)
-            self._task = self._progress.add_task("train", total=total, completed=start,
-                                                 stats="")
-            self._progress.start()
+    def start(self, total: int, done: int, budget_s: float, elapsed_s: float) -> None:
+        """Training goes to update `total` from `done`; `budget_s` > 0: --max-minutes in
+        seconds, of which `elapsed_s` are spent (a resumed run)."""
+        ...
+
+    def advance(self, step: int, elapsed_s: float) -> None:
+        """Update `step` is done, `elapsed_s` seconds into the run (every update)."""
+        ...
 
     def update(self, record: dict[str, Any]) -> None:
-        """Show a training record (called every log interval)."""
-        if self._progress is not None:
-            stats = (f"loss {record['loss']:.3f} ppl {record['ppl']:.2f} "
-                     f"lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s")
-            self._progress.update(self._task, completed=record["step"], stats=stats)
-        else:
-            self.stream.write(_fmt(record) + "\n")
-            self.stream.flush()
+        """A training log record (every --log-interval updates)."""
+        ...
 
     def message(self, text: str) -> None:
-        """A one-off line (validation results, checkpoint saved, derived settings)."""
-        if self._progress is not None:
-            self._progress.console.print(text, markup=False)
-        else:
-            self.stream.write(text + "\n")
-            self.stream.flush()
+        """A one-off line (validation, checkpoint saved, settings)."""
+        ...
 
     def close(self) -> None:
-        """Stop the bar."""
-        if self._progress is not None:
-            self._progress.stop()
+        """Training ended."""
+        ...
+
+
+def time_left(total: int, done: int, step: int, budget_s: float, start_s: float,
+              elapsed_s: float) -> float | None:
+    """Seconds until training ends: by --max-updates at the rate since `done` (update
+    count at `start_s` seconds), or by --max-minutes (`budget_s`), whichever ends first;
+    None before the first update of this process gives a rate."""
+    limits = []
+    if budget_s > 0:
+        limits.append(max(0.0, budget_s - elapsed_s))
+    if step > done and elapsed_s > start_s:
+        limits.append((total - step) * (elapsed_s - start_s) / (step - done))
+    return min(limits) if limits else None
+
+
+class PlainReporter:
+    """One line per log record and per message on a text stream (stderr by default)."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+
+    def start(self, total: int, done: int, budget_s: float, elapsed_s: float) -> None:
+        """Nothing to draw."""
+
+    def advance(self, step: int, elapsed_s: float) -> None:
+        """Nothing to draw between log lines."""
+
+    def update(self, record: dict[str, Any]) -> None:
+        """One line of the record's main figures."""
+        self._line(_fmt(record))
+
+    def message(self, text: str) -> None:
+        """The text as a line."""
+        self._line(text)
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+    def _line(self, text: str) -> None:
+        self.stream.write(text + "\n")
+        self.stream.flush()

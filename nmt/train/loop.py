@@ -8,8 +8,10 @@ gradients over ranks, so each rank scales its loss by world_size / tokens. Two r
 max-tokens T therefore make the same update as one process with update-freq 2.
 
 Host synchronisation: one per update, after the gradients are complete: the loss sum, NLL
-sum, gradient norm and rank 0's save/stop decisions travel in one small tensor (all-reduced
-across ranks when distributed) and are read with a single `.tolist()`. The finiteness
+sum and gradient norm (plus, when distributed, rank 0's save/stop decisions, all-reduced
+from a reused pinned buffer) travel in one small tensor read with a single `.tolist()`.
+On CUDA the next update's micro-batches are collated, pinned and copied on a background
+thread meanwhile (nmt/train/prefetch.py). The finiteness
 check (loss and gradient norm) uses those numbers, so a NaN/inf never reaches the weights:
 the optimizer step is skipped (fp16: GradScaler skips it and lowers the scale) and counted.
 `encode()` gets `has_pad` from the host-side lengths, so the model adds no sync either.
@@ -29,7 +31,7 @@ import dataclasses
 import math
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,18 +40,30 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from nmt.checkpoint import load_checkpoint
+from nmt.checkpoint import BEST, FORMAT, load_checkpoint, model_state, save_checkpoint
 from nmt.config import ModelConfig, TrainConfig
-from nmt.data.batching import Batch, batch_by_tokens, collate, epoch_order, shard
-from nmt.data.dataset import ParallelData, load_vocab
-from nmt.errors import CheckpointError, TrainingAborted, UsageError
+from nmt.data.dataset import ParallelData, corpus_ranges, load_vocab
+from nmt.device import allow_tf32, resolve_device, set_cuda_allocator_default
+from nmt.errors import CheckpointError, DistributedError, NmtError, TrainingAborted, UsageError
 from nmt.host_memory import keep_freed_memory, limit_onednn_cache
 from nmt.model import Transformer
-from nmt.precision import autocast, resolve_precision
-from nmt.train.distributed import DistEnv, gather_objects, init_distributed, shutdown
-from nmt.train.log import JsonlLog, ProgressReporter, warn_line
-from nmt.train.loss import label_smoothed_nll, target_positions
-from nmt.train.schedule import InverseSqrtSchedule, build_optimizer
+from nmt.precision import autocast, grad_scaler, resolve_precision
+from nmt.train.best import BestTracker
+from nmt.train.distributed import (
+    DistEnv,
+    broadcast_object,
+    gather_objects,
+    init_distributed,
+    shutdown,
+)
+from nmt.train.ema import WeightAverage
+from nmt.train.feed import Micro, TrainFeed, Update
+from nmt.train.init_from import check_init_from
+from nmt.train.log import JsonlLog, PlainReporter, TrainReporter, warn_line
+from nmt.train.loss import label_smoothed_nll, projected_smoothed_loss
+from nmt.train.prefetch import Prefetcher
+from nmt.train.sampling import EpochBatches
+from nmt.train.schedule import InverseSqrtSchedule, build_optimizer, total_norm
 from nmt.train.state import (
     LAST,
     DataState,
@@ -73,28 +87,30 @@ class TrainSummary:
     skipped_pairs: int
     skipped_updates: int
     losses: list[float] = field(default_factory=list)  # per-update train loss (nats/token)
+    stopped_early: bool = False  # --patience ran out
     valid: dict[str, float] = field(default_factory=dict)
 
 
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """auto -> cuda when available else cpu; cuda uses this process's local rank."""
-    if name not in ("auto", "cpu", "cuda"):
-        raise UsageError(f"unknown device {name!r}; choose one of: auto, cpu, cuda")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError("--device cuda asked for but no CUDA device is visible; "
-                             "use --device cpu")
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+@dataclass(frozen=True)
+class Batching:
+    """Micro-batches per process per update, and padded tokens per micro-batch."""
+
+    update_freq: int
+    micro_tokens: int
 
 
-def derive_update_freq(cfg: TrainConfig, world_size: int) -> int:
-    """--batch-tokens B gives ceil(B / (world_size x max_tokens)); else --update-freq."""
-    if cfg.batch_tokens:
-        return max(1, math.ceil(cfg.batch_tokens / (world_size * cfg.max_tokens)))
-    return cfg.update_freq
+def derive_batching(cfg: TrainConfig, world_size: int) -> Batching:
+    """--batch-tokens B: update_freq = ceil(B / (world_size x max_tokens)) micro-batches per
+    process, each of ceil(B / (world_size x update_freq)) tokens (at most --max-tokens, at
+    least --max-len), so one update holds about B tokens on any number of processes: with
+    B = 25000 and max-tokens 12000, one GPU runs 3 x 8334 and eight GPUs 1 x 3125 each (not
+    8 x 12000). --max-tokens is the memory cap; B is the paper's batch. Without B:
+    --update-freq and --max-tokens as given."""
+    if not cfg.batch_tokens:
+        return Batching(cfg.update_freq, cfg.max_tokens)
+    freq = max(1, math.ceil(cfg.batch_tokens / (world_size * cfg.max_tokens)))
+    micro = math.ceil(cfg.batch_tokens / (world_size * freq))
+    return Batching(freq, min(cfg.max_tokens, max(micro, cfg.max_len)))
 
 
 def _check_resume(payload: dict[str, Any], model_cfg: ModelConfig, path: Path) -> None:
@@ -103,10 +119,38 @@ def _check_resume(payload: dict[str, Any], model_cfg: ModelConfig, path: Path) -
                               "use the same flags to resume, or another -o directory")
 
 
+def _read_resume_point(path: Path, step: int) -> tuple[dict[str, Any] | None, str | None]:
+    """(payload, None) when `path` holds update `step`, else (None, what is wrong)."""
+    try:
+        payload = load_checkpoint(path, map_location="cpu", mmap=True)
+    except NmtError as err:
+        return None, str(err)
+    if payload.get("step") != step:
+        return None, f"it holds update {payload.get('step')} there"
+    return payload, None
+
+
 def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed % 2 ** 32)
+
+
+@dataclass
+class _Run:
+    """What one `Trainer.run` keeps between updates."""
+
+    summary: TrainSummary
+    elapsed_before: float  # seconds of the run before this process (resumed runs)
+    saved_step: int  # update of the newest checkpoint this process knows of
+    start: float = field(default_factory=time.perf_counter)
+    last_save: float = field(default_factory=time.perf_counter)
+    streak: int = 0  # non-finite updates in a row
+    window: _Window = field(default_factory=lambda: _Window())
+
+    def elapsed(self) -> float:
+        """Training seconds in all, this process's included."""
+        return self.elapsed_before + time.perf_counter() - self.start
 
 
 @dataclass
@@ -126,78 +170,189 @@ class Trainer:
 
     def __init__(self, data_dir: Path, run_dir: Path, model_cfg: ModelConfig,
                  train_cfg: TrainConfig, device: str = "auto",
-                 meta: dict[str, Any] | None = None, progress: bool = True) -> None:
+                 meta: dict[str, Any] | None = None,
+                 progress: bool | TrainReporter = True,
+                 init_from: Path | None = None, reset_optimizer: bool = False) -> None:
         self.data_dir = Path(data_dir)
         self.run_dir = Path(run_dir)
         self.cfg = train_cfg
-        dev_type = "cuda" if device == "cuda" or (
-            device == "auto" and torch.cuda.is_available()) else "cpu"
-        self.env: DistEnv = init_distributed(dev_type)
-        self.device = resolve_device(device, self.env.local_rank)
-        if self.device.type == "cpu":
-            limit_onednn_cache()  # one primitive per batch shape: bounded, not 1024 of them
-            keep_freed_memory()  # big per-step tensors reuse pages instead of re-faulting
+        self.env, self.device = self._join(device)
+        try:  # a rank that fails here leaves the process group, or gloo aborts at exit
+            self._set_up(data_dir, run_dir, model_cfg, train_cfg, meta, progress, init_from,
+                         reset_optimizer)
+        except BaseException:
+            shutdown(self.env)
+            raise
+
+    def _set_up(self, data_dir: Path, run_dir: Path, model_cfg: ModelConfig,
+                train_cfg: TrainConfig, meta: dict[str, Any] | None,
+                progress: bool | TrainReporter, init_from: Path | None,
+                reset_optimizer: bool) -> None:
+        """Data, model, optimiser, resume point and logs of the run (after joining)."""
         self.vocab = load_vocab(self.data_dir)
-        if model_cfg.vocab_size != len(self.vocab):
-            model_cfg = dataclasses.replace(model_cfg, vocab_size=len(self.vocab))
-        if train_cfg.max_len > model_cfg.max_positions:
-            raise UsageError(f"--max-len {train_cfg.max_len} exceeds --max-positions "
-                             f"{model_cfg.max_positions}; lower one or raise the other")
-        if train_cfg.max_tokens < train_cfg.max_len:
-            raise UsageError(f"--max-tokens {train_cfg.max_tokens} is below --max-len "
-                             f"{train_cfg.max_len}: long pairs would never fit a batch")
-        self.model_cfg = model_cfg
+        self.model_cfg = self._checked_model_config(model_cfg)
         self.train_data = ParallelData.open(self.data_dir, "train")
         self.valid_data = self._open_valid()
-        self.update_freq = derive_update_freq(train_cfg, self.env.world_size)
-
-        _seed_everything(train_cfg.seed)  # same initial weights on every rank
-        self.model = Transformer(model_cfg).to(self.device)
-        _seed_everything(train_cfg.seed + self.env.rank)  # own dropout stream per rank
-        self.optimizer = build_optimizer(self.model.parameters(), train_cfg, self.device)
-        self.schedule = InverseSqrtSchedule(self.optimizer, model_cfg.d_model,
-                                            train_cfg.warmup, train_cfg.lr_scale)
-        # `auto` becomes bf16/fp16/fp32 for this device (logged at start).
-        self.precision = resolve_precision(train_cfg.precision, self.device)
-        self.scaler = torch.amp.GradScaler(self.device.type,
-                                           enabled=self.precision == "fp16")
+        self.batching = derive_batching(train_cfg, self.env.world_size)
+        self.update_freq = self.batching.update_freq
+        self._build_model()
+        self.ema = WeightAverage(self.model, train_cfg.ema_decay) if train_cfg.ema_decay \
+            else None
+        self.best = BestTracker(train_cfg.best_metric, train_cfg.patience)
+        self.notes: list[str] = []  # said once training starts (after the progress bar)
+        self._flag_buffer: torch.Tensor | None = None
+        # Prepare the next update's batches on a thread while the GPU computes (CUDA only).
+        self.prefetch = self.device.type == "cuda"
+        # Output projection + loss chunked over rows, never the whole (rows, vocab) logits
+        # (CUDA only: on a CPU the recomputed logits cost 1.3x at base shapes; see loss.py).
+        self.fused_loss = self.device.type == "cuda"
         self.step = 0
         self.data_state = DataState()
         self.elapsed_before = 0.0
         self.resumed_from = 0
         self.meta = {"src_lang": "", "tgt_lang": "", "data_dir": str(self.data_dir.resolve()),
                      **(meta or {})}
-        last = self.run_dir / LAST
-        if last.is_file():
-            payload = load_checkpoint(last, map_location=self.device)
-            _check_resume(payload, model_cfg, last)
-            self.data_state = restore_training(
-                payload, model=self.model, optimizer=self.optimizer, scheduler=self.schedule,
-                scaler=self.scaler, rank=self.env.rank, world_size=self.env.world_size)
-            self.step = self.resumed_from = int(payload["step"])
-            self.elapsed_before = float(payload.get("elapsed_seconds", 0.0))
+        self._resume()
+        self.initialised_from: Path | None = None
+        if init_from is not None and self.resumed_from == 0:
+            self._init_from(Path(init_from), reset_optimizer)
         self.net: torch.nn.Module = self.model
         if self.env.active:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.net = DistributedDataParallel(self.model, device_ids=ids)
-
-        batches = batch_by_tokens(self.train_data.src.lengths, self.train_data.tgt.lengths,
-                                  train_cfg.max_tokens, train_cfg.max_len)
-        if len(batches.batches) < self.env.world_size:
-            raise UsageError(f"{self.data_dir}: only {len(batches.batches)} training batches "
-                             f"for {self.env.world_size} processes; lower --max-tokens")
-        self.batches = batches
-        self.src_cost = self.train_data.src.lengths + 1  # non-padding tokens incl. EOS
-        self.tgt_cost = self.train_data.tgt.lengths + 1
+        self.corpora = corpus_ranges(self.data_dir)
+        self.epoch_batches = self._build_batches()
+        self.feed = TrainFeed(self.train_data, self.epoch_batches, self.env, self.update_freq,
+                              train_cfg.seed, train_cfg.max_epochs, self.device)
         self.log: JsonlLog | None = None
-        self.progress: ProgressReporter | None = None
+        self.progress: TrainReporter | None = None
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             # A resumed run drops the records of updates it will redo (logged once each).
             self.log = JsonlLog(self.run_dir / "train_log.jsonl", resume_step=self.step,
                                 warn=self._warn)
-            if progress:
-                self.progress = ProgressReporter(train_cfg.max_updates, self.step)
+            if progress is True:
+                self.progress = PlainReporter()
+            elif progress is not False:
+                self.progress = progress
+
+    def _join(self, device: str) -> tuple[DistEnv, torch.device]:
+        """Join the process group (under torchrun) and pick this process's device."""
+        cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        if cuda:
+            set_cuda_allocator_default()  # before the first CUDA allocation
+        env = init_distributed("cuda" if cuda else "cpu")
+        dev = resolve_device(device, env.local_rank)
+        if dev.type == "cpu":
+            limit_onednn_cache()  # one primitive per batch shape: bounded, not 1024 of them
+            keep_freed_memory()  # big per-step tensors reuse pages instead of re-faulting
+        return env, dev
+
+    def _checked_model_config(self, model_cfg: ModelConfig) -> ModelConfig:
+        """The model config with the data's vocabulary size; limits checked against it."""
+        if model_cfg.vocab_size != len(self.vocab):
+            model_cfg = dataclasses.replace(model_cfg, vocab_size=len(self.vocab))
+        cfg = self.cfg
+        if cfg.max_len > model_cfg.max_positions:
+            raise UsageError(f"--max-len {cfg.max_len} exceeds --max-positions "
+                             f"{model_cfg.max_positions}; lower one or raise the other")
+        if cfg.max_tokens < cfg.max_len:
+            raise UsageError(f"--max-tokens {cfg.max_tokens} is below --max-len "
+                             f"{cfg.max_len}: long pairs would never fit a batch")
+        return model_cfg
+
+    def _build_model(self) -> None:
+        """Model (same initial weights on every rank), Adam, schedule, precision, scaler."""
+        cfg = self.cfg
+        _seed_everything(cfg.seed)  # same initial weights on every rank
+        self.model = Transformer(self.model_cfg).to(self.device)
+        _seed_everything(cfg.seed + self.env.rank)  # own dropout stream per rank
+        self.optimizer = build_optimizer(self.model.parameters(), cfg, self.device)
+        self.schedule = InverseSqrtSchedule(self.optimizer, self.model_cfg.d_model,
+                                            cfg.warmup, cfg.lr_scale)
+        # `auto` becomes bf16/fp16/fp32 for this device (logged at start).
+        self.precision = resolve_precision(cfg.precision, self.device)
+        if self.precision == "fp32":
+            allow_tf32(self.device)
+        self.scaler = grad_scaler(self.device, enabled=self.precision == "fp16")
+
+    def _resume(self) -> None:
+        """Continue from RUN/checkpoint_last.pt if rank 0 has one; every rank follows.
+
+        Rank 0 alone decides from its disk and broadcasts the update it resumes from; each
+        rank then loads that file onto the CPU (memory-mapped) and restores its own RNG
+        stream. A rank that cannot read it, or finds another update there (a run directory
+        that is not shared between nodes), stops every rank with one line (exit 8) instead
+        of training from a different state.
+        """
+        last = self.run_dir / LAST
+        payload: dict[str, Any] | None = None
+        if self.env.is_main and last.is_file():
+            payload = load_checkpoint(last, map_location="cpu", mmap=True)
+            _check_resume(payload, self.model_cfg, last)
+        step = broadcast_object(self.env, None if payload is None else int(payload["step"]))
+        if step is None:
+            return
+        if not self.env.is_main:
+            payload, problem = _read_resume_point(last, step)
+        else:
+            problem = None
+        problems = gather_objects(self.env, problem)
+        bad = [rank for rank, text in enumerate(problems) if text]
+        if bad:
+            raise DistributedError(
+                f"rank {bad[0]} cannot resume from {last}, which rank 0 resumes from "
+                f"(update {step}): {problems[bad[0]]}; the run directory must be on a file "
+                "system every node shares")
+        assert payload is not None
+        self.data_state = restore_training(
+            payload, model=self.model, optimizer=self.optimizer, scheduler=self.schedule,
+            scaler=self.scaler, rank=self.env.rank, world_size=self.env.world_size)
+        self.step = self.resumed_from = step
+        self.elapsed_before = float(payload.get("elapsed_seconds", 0.0))
+        if self.ema is not None:
+            if payload.get("ema"):
+                self.ema.load_state_dict(payload["ema"])
+            else:  # EMA switched on for a resumed run: it starts from the current weights
+                self.ema = WeightAverage(self.model, self.cfg.ema_decay)
+                self.notes.append("--ema-decay: the checkpoint has no EMA; the average "
+                                  "starts from its weights")
+        if payload.get("best") and not self.best.load_state_dict(payload["best"]):
+            self.notes.append(f"--best-metric {self.best.metric}: the checkpoint tracked "
+                              f"{payload['best'].get('metric')}; the best score starts anew")
+
+    def _build_batches(self) -> EpochBatches:
+        """Each epoch's batch list (shuffled per epoch by `epoch_order`): one fixed list,
+        or a per-epoch draw when the data's corpora carry sampling weights."""
+        data, cfg = self.train_data, self.cfg
+        batches = EpochBatches(data.src.lengths, data.tgt.lengths, self.corpora,
+                               self.batching.micro_tokens, cfg.max_len, cfg.seed)
+        count = len(batches.get(self.data_state.epoch).batches)
+        if count < self.env.world_size:
+            raise UsageError(f"{self.data_dir}: only {count} training batches "
+                             f"for {self.env.world_size} processes; lower --max-tokens")
+        return batches
+
+    def _init_from(self, path: Path, reset_optimizer: bool) -> None:
+        """Start this new run from another run's model (`--init-from`): its weights (EMA
+        ones where it has them), and, unless reset, its optimizer and schedule state."""
+        payload = load_checkpoint(path, map_location="cpu", mmap=True)
+        check_init_from(payload, path, self.model_cfg, self.vocab.proto)
+        self.model.load_state_dict(model_state(payload, "auto", path))
+        continued = not reset_optimizer and all(k in payload for k in ("optimizer",
+                                                                        "scheduler"))
+        if continued:
+            self.optimizer.load_state_dict(payload["optimizer"])
+            self.schedule.load_state_dict(payload["scheduler"])
+            if payload.get("scaler"):
+                self.scaler.load_state_dict(payload["scaler"])
+        if self.ema is not None:
+            self.ema = WeightAverage(self.model, self.cfg.ema_decay)
+        self.initialised_from = path
+        how = ("optimizer and schedule continued" if continued else
+               "fresh optimizer and schedule" + ("" if reset_optimizer else
+                                                 " (the file has none)"))
+        self.notes.append(f"initialised from {path} (update {payload['step']}; {how})")
 
     def _open_valid(self) -> ParallelData | None:
         try:
@@ -218,49 +373,9 @@ class Trainer:
 
     # ----- data -----
 
-    def _updates(self) -> Iterator[tuple[list[np.ndarray], list[np.ndarray]]]:
-        """(this rank's micro-batches, all ranks' batches) of each update, from the saved
-        position on; advances `data_state` as it goes."""
-        world, rank, k = self.env.world_size, self.env.rank, self.update_freq
-        n_batches = len(self.batches.batches)
-        while not self.cfg.max_epochs or self.data_state.epoch <= self.cfg.max_epochs:
-            order = epoch_order(n_batches, self.cfg.seed, self.data_state.epoch, world)
-            mine = shard(order, rank, world)
-            pos = self.data_state.index // world
-            while pos < len(mine):
-                group = mine[pos:pos + k]
-                global_ids = order[pos * world:(pos + len(group)) * world]
-                pos += len(group)
-                self.data_state.index = pos * world
-                yield ([self.batches.batches[i] for i in group],
-                       [self.batches.batches[i] for i in global_ids])
-            self.data_state = DataState(self.data_state.epoch + 1, 0)
-
-    def _collate(self, indices: np.ndarray) -> tuple[Batch, bool]:
-        src = [self.train_data.src[i] for i in indices]
-        tgt = [self.train_data.tgt[i] for i in indices]
-        lens = self.src_cost[indices]
-        batch = collate(src, tgt)
-        if self.device.type == "cuda":
-            batch.src, batch.tgt_in, batch.tgt_out = (t.pin_memory() for t in (
-                batch.src, batch.tgt_in, batch.tgt_out))
-        return batch.to(self.device), bool(lens.min() != lens.max())
-
-    def _real_targets(self, batch: Batch, indices: np.ndarray) -> tuple[torch.Tensor | None,
-                                                                          torch.Tensor]:
-        """(flat indices of the non-PAD target positions or None, their gold ids): the
-        model projects only those rows, so padding costs nothing in the output projection
-        and the loss. Built from host-side lengths: no device sync."""
-        width = batch.tgt_out.size(1)
-        rows = target_positions(self.tgt_cost[indices], width)
-        if rows is None:
-            return None, batch.tgt_out
-        select = torch.from_numpy(rows).to(self.device, non_blocking=True)  # (n_real,)
-        return select, batch.tgt_out.reshape(-1).index_select(0, select)  # (n_real,)
-
     # ----- one update -----
 
-    def _train_update(self, micro: list[np.ndarray], all_batches: list[np.ndarray],
+    def _train_update(self, micro: list[Callable[[], Micro]], all_batches: list[np.ndarray],
                       flags: list[float]) -> tuple[float, float, float, list[float], int, int]:
         """Forward/backward over the micro-batches, then one synced check and maybe a step.
 
@@ -268,22 +383,28 @@ class Trainer:
         all global over ranks.
         """
         all_ids = np.concatenate(all_batches)
-        tgt_tokens = int(self.tgt_cost[all_ids].sum())
-        src_tgt_tokens = tgt_tokens + int(self.src_cost[all_ids].sum())
+        tgt_tokens = int(self.feed.tgt_cost[all_ids].sum())
+        src_tgt_tokens = tgt_tokens + int(self.feed.src_cost[all_ids].sum())
         scale = self.env.world_size / tgt_tokens
         loss_sum = torch.zeros((), device=self.device)
         nll_sum = torch.zeros((), device=self.device)
         self.net.train()
-        for i, indices in enumerate(micro):
-            batch, has_pad = self._collate(indices)
+        for i, get in enumerate(micro):
+            mb = get()
             last = i == len(micro) - 1
             sync = contextlib.nullcontext() if last or not self.env.active else self.net.no_sync()
             with sync:
-                select, target = self._real_targets(batch, indices)
                 with autocast(self.device, self.precision):
-                    logits = self.net(batch.src, batch.tgt_in, has_pad=has_pad, select=select)
-                    loss, nll = label_smoothed_nll(logits, target, self.cfg.label_smoothing,
-                                                   self.model_cfg.pad_id)
+                    out = self.net(mb.batch.src, mb.batch.tgt_in, has_pad=mb.has_pad,
+                                   select=mb.select, project=not self.fused_loss)
+                    if self.fused_loss:  # out: decoder states, projected chunk by chunk
+                        loss, nll = projected_smoothed_loss(
+                            out, self.model.output_weight, mb.target.reshape(-1),
+                            self.cfg.label_smoothing, pad_id=self.model_cfg.pad_id)
+                    else:  # out: logits
+                        loss, nll = label_smoothed_nll(out, mb.target,
+                                                       self.cfg.label_smoothing,
+                                                       self.model_cfg.pad_id)
                 self.scaler.scale(loss * scale).backward()
             loss_sum += loss.detach()
             nll_sum += nll
@@ -292,13 +413,25 @@ class Trainer:
         if self.cfg.clip_norm > 0:
             gnorm = torch.nn.utils.clip_grad_norm_(params, self.cfg.clip_norm)
         else:
-            gnorm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        stats = torch.stack([loss_sum, nll_sum,
-                             *(torch.tensor(f, device=self.device) for f in flags)])
+            gnorm = total_norm([p.grad for p in params])
+        stats = torch.stack([loss_sum, nll_sum])
         if self.env.active:  # flags are non-zero on rank 0 only: the sum is rank 0's value
+            stats = torch.cat([stats, self._flags_on_device(flags)])
             torch.distributed.all_reduce(stats)
-        values = torch.cat([stats, gnorm.float().reshape(1).to(self.device)]).tolist()  # sync
-        return (values[0], values[1], values[-1], values[2:-1], tgt_tokens, src_tgt_tokens)
+        values = torch.cat([stats, gnorm.float().reshape(1).to(stats.device)]).tolist()  # sync
+        got_flags = values[2:-1] if self.env.active else flags
+        return (values[0], values[1], values[-1], got_flags, tgt_tokens, src_tgt_tokens)
+
+    def _flags_on_device(self, flags: list[float]) -> torch.Tensor:
+        """Rank 0's save/stop flags as a device tensor for the all-reduce, copied from one
+        reused (pinned, on CUDA) host buffer: `torch.tensor(x, device=cuda)` from pageable
+        memory would wait for the GPU's queue at every update. The previous update's copy
+        is complete (each update ends with a sync), so reusing the buffer is safe."""
+        if self._flag_buffer is None:
+            buffer = torch.zeros(len(flags), dtype=torch.float32)
+            self._flag_buffer = buffer.pin_memory() if self.device.type == "cuda" else buffer
+        self._flag_buffer.copy_(torch.tensor(flags, dtype=torch.float32))
+        return self._flag_buffer.to(self.device, non_blocking=True)
 
     def _apply_update(self, finite: bool) -> None:
         if self.precision == "fp16":
@@ -309,6 +442,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if finite:
             self.schedule.step()
+            if self.ema is not None:
+                self.ema.update()
 
     # ----- checkpoints -----
 
@@ -321,6 +456,9 @@ class Trainer:
             scaler=self.scaler, step=self.step, data_state=self.data_state, rng=rngs,
             model_config=self.model_cfg.to_dict(), train_config=self.cfg.to_dict(),
             vocab=self.vocab.proto, meta=self.meta, elapsed_seconds=elapsed)
+        payload["best"] = self.best.state_dict()
+        if self.ema is not None:
+            payload["ema"] = self.ema.state_dict()
         path = write_checkpoint(payload, self.run_dir, self.cfg.keep_last)
         self._say(f"saved {path} (update {self.step})")
         return path
@@ -329,86 +467,129 @@ class Trainer:
 
     def run(self) -> TrainSummary:
         """Train until max-updates / max-epochs / max-minutes (all totals); save at the end."""
-        cfg = self.cfg
-        start = time.perf_counter()
-        last_save = start
-        summary = TrainSummary(self.step, self.data_state.epoch, self.resumed_from, None,
-                               self.update_freq, self.batches.skipped, 0)
-
-        def elapsed() -> float:
-            return self.elapsed_before + time.perf_counter() - start
-
-        self._say(f"{len(self.train_data)} training pairs in {len(self.batches.batches)} "
-                  f"batches ({self.batches.skipped} longer than --max-len {cfg.max_len} "
-                  f"skipped); {self.env.world_size} process(es) x max-tokens {cfg.max_tokens} "
-                  f"x update-freq {self.update_freq}"
-                  + (f" (derived from --batch-tokens {cfg.batch_tokens})"
-                     if cfg.batch_tokens else "")
-                  + f"; precision {self.precision} on {self.device.type}"
-                  + (f"; resuming from update {self.step}" if self.step else ""))
-        if self.valid_data is None:
-            self._say("no binarized valid split: validation is skipped")
-        window = _Window()
-        streak = 0
-        saved_step = self.step
+        skipped = self.epoch_batches.get(self.data_state.epoch).skipped
+        resumed_file = self.run_dir / LAST if self.resumed_from and self.env.is_main \
+            else None
+        run = _Run(TrainSummary(self.step, self.data_state.epoch, self.resumed_from,
+                                resumed_file, self.update_freq, skipped, 0),
+                   self.elapsed_before, saved_step=self.step)
+        self._announce(run)
+        feed = Prefetcher(self.feed.updates(self.data_state), lambda u: u.micro,
+                          self.feed.prepare, enabled=self.prefetch)
         try:
-            updates = self._updates()
-            while self.step < cfg.max_updates:
-                nxt = next(updates, None)  # pulled only when an update will run
+            if self.best.exhausted:  # resumed from the checkpoint an early stop wrote
+                run.summary.stopped_early = True
+                self._say(f"early stop at update {self.step} reached before (--patience "
+                          f"{self.cfg.patience}: best {self.best.metric} at update "
+                          f"{self.best.best_step}); nothing to train")
+            while self.step < self.cfg.max_updates and not run.summary.stopped_early:
+                nxt = feed.next()
                 if nxt is None:
+                    if self.feed.epoch_end is not None:
+                        self.data_state = self.feed.epoch_end  # past the last epoch
                     break  # --max-epochs reached
-                micro, all_batches = nxt
-                now = time.perf_counter()
-                want_save = (cfg.save_interval_minutes > 0
-                             and now - last_save >= cfg.save_interval_minutes * 60)
-                want_stop = cfg.max_minutes > 0 and elapsed() >= cfg.max_minutes * 60
-                flags = [float(want_save), float(want_stop)] if self.env.is_main else [0., 0.]
-                loss, nll, gnorm, (save_flag, stop_flag), tokens, st_tokens = \
-                    self._train_update(micro, all_batches, flags)
-                finite = math.isfinite(loss) and math.isfinite(gnorm)
-                lr = self.schedule.lr
-                self._apply_update(finite)
-                if finite:
-                    self.step += 1
-                    streak = 0
-                    summary.losses.append(loss / tokens)
-                    window.loss += loss
-                    window.nll += nll
-                    window.tokens += tokens
-                else:
-                    streak += 1
-                    summary.skipped_updates += 1
-                    self._say(f"update {self.step + 1}: non-finite loss or gradient; "
-                              f"step skipped ({summary.skipped_updates} so far)")
-                    if streak >= cfg.max_nonfinite_in_a_row:
-                        raise TrainingAborted(
-                            f"{streak} updates in a row had a non-finite loss or gradient; "
-                            f"stopped at update {self.step} (last checkpoint intact); lower "
-                            "--lr-scale, use --clip-norm or --precision bf16/fp32")
-                window.src_tgt_tokens += st_tokens
-                window.updates += 1
-                if finite and (self.step % cfg.log_interval == 0):
-                    self._log_train(window, lr, gnorm, elapsed(), summary)
-                    window = _Window()
-                if finite and self.step % cfg.valid_interval == 0:
-                    summary.valid = self._validate(elapsed())
-                if (save_flag or (cfg.save_interval_updates
-                                  and finite and self.step % cfg.save_interval_updates == 0)):
-                    summary.last_checkpoint = self._save(elapsed()) or summary.last_checkpoint
-                    saved_step = self.step
-                    last_save = time.perf_counter()
-                if stop_flag:
+                if self._run_update(*nxt, run):
                     break
-            if self.step != saved_step or self.step == 0 or not (self.run_dir / LAST).exists():
-                summary.last_checkpoint = self._save(elapsed()) or summary.last_checkpoint
+            # Decided from what every rank knows alike, never from files: a rank that looked
+            # at RUN while rank 0 was still writing would enter a collective alone.
+            if self.step != run.saved_step or self.step == 0:
+                self._save_into(run)
         finally:
+            feed.close()
             if self.progress is not None:
                 self.progress.close()
             if self.log is not None:
                 self.log.close()
+            self.net = self.model  # DDP holds the process group: let `shutdown` free it
             shutdown(self.env)
-        summary.step, summary.epoch = self.step, self.data_state.epoch
-        return summary
+        run.summary.step, run.summary.epoch = self.step, self.data_state.epoch
+        return run.summary
+
+    def _announce(self, run: _Run) -> None:
+        """The start-up lines; a fine-tuning run validates once before its first update."""
+        cfg, summary = self.cfg, run.summary
+        n_batches = len(self.epoch_batches.get(self.data_state.epoch).batches)
+        weighted = " (corpora sampled by weight each epoch)" if self.epoch_batches.weighted \
+            else ""
+        self._say(f"{len(self.train_data)} training pairs{weighted} in {n_batches} "
+                  f"batches ({summary.skipped_pairs} longer than --max-len {cfg.max_len} "
+                  f"skipped); {self.env.world_size} process(es) x max-tokens "
+                  f"{self.batching.micro_tokens} x update-freq {self.update_freq}"
+                  + (f" (derived from --batch-tokens {cfg.batch_tokens})"
+                     if cfg.batch_tokens else "")
+                  + f"; precision {self.precision} on {self.device.type}"
+                  + (f"; resuming from update {self.step}" if self.step else ""))
+        if self.progress is not None:
+            self.progress.start(cfg.max_updates, self.step, cfg.max_minutes * 60,
+                                self.elapsed_before)
+        for note in self.notes:
+            self._say(note)
+        if self.valid_data is None:
+            self._say("no binarized valid split: validation is skipped")
+        elif self.initialised_from is not None:  # where fine-tuning starts from
+            summary.valid = self._validate(run.elapsed())
+
+    def _run_update(self, update: Update, micro: list[Callable[[], Micro]], run: _Run) -> bool:
+        """One update and what follows it (log, validation, save); True: stop training."""
+        cfg, summary = self.cfg, run.summary
+        want_save = (cfg.save_interval_minutes > 0
+                     and time.perf_counter() - run.last_save >= cfg.save_interval_minutes * 60)
+        want_stop = cfg.max_minutes > 0 and run.elapsed() >= cfg.max_minutes * 60
+        flags = [float(want_save), float(want_stop)] if self.env.is_main else [0., 0.]
+        loss, nll, gnorm, (save_flag, stop_flag), tokens, st_tokens = \
+            self._train_update(micro, update.all_batches, flags)
+        self.data_state = update.after
+        finite = math.isfinite(loss) and math.isfinite(gnorm)
+        lr = self.schedule.lr
+        self._apply_update(finite)
+        self._count(run, finite, loss, nll, tokens, st_tokens)
+        if self.progress is not None:
+            self.progress.advance(self.step, run.elapsed())
+        if finite and self.step % cfg.log_interval == 0:
+            self._log_train(run.window, lr, gnorm, run.elapsed(), summary)
+            run.window = _Window()
+        if finite and self.step % cfg.valid_interval == 0:
+            summary.valid = self._validate(run.elapsed())
+            if self.best.exhausted:
+                summary.stopped_early = stop_flag = True
+                self._say(f"early stop at update {self.step}: {self.best.stale} "
+                          f"validations without a better {self.best.metric} "
+                          f"(best {self.best.best:.4f} at update "
+                          f"{self.best.best_step}; --patience {cfg.patience})")
+        if save_flag or (cfg.save_interval_updates and finite
+                         and self.step % cfg.save_interval_updates == 0):
+            self._save_into(run)
+        return bool(stop_flag)
+
+    def _count(self, run: _Run, finite: bool, loss: float, nll: float, tokens: int,
+               st_tokens: int) -> None:
+        """Step counter, log window and the non-finite streak (aborts when too long)."""
+        summary, window = run.summary, run.window
+        if finite:
+            self.step += 1
+            run.streak = 0
+            summary.losses.append(loss / tokens)
+            window.loss += loss
+            window.nll += nll
+            window.tokens += tokens
+        else:
+            run.streak += 1
+            summary.skipped_updates += 1
+            self._say(f"update {self.step + 1}: non-finite loss or gradient; "
+                      f"step skipped ({summary.skipped_updates} so far)")
+            if run.streak >= self.cfg.max_nonfinite_in_a_row:
+                raise TrainingAborted(
+                    f"{run.streak} updates in a row had a non-finite loss or gradient; "
+                    f"stopped at update {self.step} (last checkpoint intact); lower "
+                    "--lr-scale, use --clip-norm or --precision bf16/fp32")
+        window.src_tgt_tokens += st_tokens
+        window.updates += 1
+
+    def _save_into(self, run: _Run) -> None:
+        """Save now; remember it in `run`."""
+        run.summary.last_checkpoint = self._save(run.elapsed()) or run.summary.last_checkpoint
+        run.saved_step = self.step
+        run.last_save = time.perf_counter()
 
     def _log_train(self, window: _Window, lr: float, gnorm: float, elapsed: float,
                    summary: TrainSummary) -> None:
@@ -422,7 +603,7 @@ class Trainer:
             "lr": lr, "grad_norm": gnorm, "tokens_per_s": window.src_tgt_tokens / seconds,
             "target_tokens": window.tokens, "updates": window.updates,
             "update_freq": self.update_freq, "world_size": self.env.world_size,
-            "skipped_updates": summary.skipped_updates, "skipped_pairs": self.batches.skipped,
+            "skipped_updates": summary.skipped_updates, "skipped_pairs": summary.skipped_pairs,
             "loss_scale": self.scaler.get_scale() if self.scaler.is_enabled() else None,
             "wall_time": time.time(), "elapsed_minutes": elapsed / 60,
         }
@@ -432,22 +613,49 @@ class Trainer:
             self.progress.update(record)
 
     def _validate(self, elapsed: float) -> dict[str, float]:
+        """Validate (the EMA weights when on); track the best score, write
+        checkpoint_best.pt when it improves. Every rank gets rank 0's metrics (BLEU/chrF
+        are decoded there alone), so all take the same early-stopping decision."""
         if self.valid_data is None:
             return {}
-        metrics = validate(self.model, self.valid_data, self.vocab, self.cfg, self.device,
-                           self.env, bleu=self.cfg.valid_bleu, data_dir=self.data_dir)
+        weights = self.ema.applied() if self.ema is not None else contextlib.nullcontext()
+        with weights:
+            metrics = validate(self.model, self.valid_data, self.vocab, self.cfg,
+                               self.device, self.env, bleu=self.cfg.decode_valid,
+                               data_dir=self.data_dir)
+            metrics = broadcast_object(self.env, metrics)
+            improved = self.best.observe(metrics, self.step)
+            if improved and self.env.is_main:
+                self._save_best(metrics)
         if self.env.is_main:
             assert self.log is not None
             self.log.write({"kind": "valid", "step": self.step, "epoch": self.data_state.epoch,
                             **{f"valid_{k}": v for k, v in metrics.items()},
+                            "best": self.best.best, "best_step": self.best.best_step,
                             "wall_time": time.time(), "elapsed_minutes": elapsed / 60})
             text = " | ".join(f"{k} {v:.3f}" for k, v in metrics.items())
-            self._say(f"valid at update {self.step}: {text}")
+            mark = " (best so far)" if improved else f" (best {self.best.best:.3f} at " \
+                f"update {self.best.best_step})"
+            self._say(f"valid at update {self.step}: {text}{mark}")
         return metrics
+
+    def _save_best(self, metrics: dict[str, float]) -> None:
+        """RUN/checkpoint_best.pt, atomically: the weights just validated (a model file
+        for translate, average or --init-from; training resumes from checkpoint_last)."""
+        payload = {"format": FORMAT, "step": self.step,
+                   "model_config": self.model_cfg.to_dict(), "vocab": self.vocab.proto,
+                   "model": self.model.state_dict(),
+                   "meta": {**self.meta, "best": {"metric": self.best.metric,
+                                                  "score": metrics[self.best.metric],
+                                                  "ema": self.ema is not None}}}
+        save_checkpoint(payload, self.run_dir / BEST)
 
 
 def train(data_dir: Path, run_dir: Path, model_cfg: ModelConfig, train_cfg: TrainConfig,
           device: str = "auto", meta: dict[str, Any] | None = None,
-          progress: bool = True) -> TrainSummary:
-    """Train (or resume, if RUN/checkpoint_last.pt exists) and return where it stopped."""
-    return Trainer(data_dir, run_dir, model_cfg, train_cfg, device, meta, progress).run()
+          progress: bool | TrainReporter = True, init_from: Path | None = None,
+          reset_optimizer: bool = False) -> TrainSummary:
+    """Train (or resume, if RUN/checkpoint_last.pt exists) and return where it stopped.
+    A new run starts from `init_from`'s model when given (fine-tuning)."""
+    return Trainer(data_dir, run_dir, model_cfg, train_cfg, device, meta, progress,
+                   init_from, reset_optimizer).run()

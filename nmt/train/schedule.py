@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from nmt.config import TrainConfig
 
@@ -64,3 +65,18 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig,
     return torch.optim.Adam(list(params), lr=0.0, betas=(cfg.adam_beta1, cfg.adam_beta2),
                             eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
                             fused=fused or None, foreach=None if fused else True)
+
+
+def total_norm(grads: list[Tensor]) -> Tensor:
+    """L2 norm of all gradients together (a 0-dim tensor on their device; no host sync).
+
+    `torch.nn.utils.get_total_norm` where torch has it (>= 2.6), else the same computed
+    with per-tensor norms (older releases).
+    """
+    fast = getattr(torch.nn.utils, "get_total_norm", None)
+    if fast is not None:
+        return fast(grads)
+    if not grads:
+        return torch.zeros(())
+    norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])  # (n,)
+    return torch.linalg.vector_norm(norms)

@@ -12,11 +12,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from nmt.config import ModelConfig, TrainConfig, model_preset
+from nmt.config import DEFAULT_ARCH, SETTABLE_MODEL_FIELDS, ModelConfig, TrainConfig, model_preset
 from nmt.errors import NmtError
 
-DEFAULT_ARCH = "base"
-_MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
 _TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 
 
@@ -46,19 +44,23 @@ def resolve(data_dir: Path, arch: str | None, model_flags: dict[str, Any],
     'recipe NAME', for the start-up log line."""
     recipe, name = recipe_training(data_dir)
     sources: dict[str, str] = {}
+    per_arch: dict[str, Any] = {}
 
     def pick(key: str, flag: Any) -> Any:
         if flag is not None:
             sources[key] = f"{flag} (flag)"
             return flag
         if key in recipe:
-            sources[key] = f"{recipe[key]} (recipe {name})"
+            where = f" [training.{arch_name}]" if key in per_arch else ""
+            sources[key] = f"{recipe[key]} (recipe {name}{where})"
             return recipe[key]
         return None
 
     arch_name = pick("arch", arch) or DEFAULT_ARCH
-    model_values = {k: pick(k, model_flags.get(k)) for k in _MODEL_FIELDS
-                    if k not in ("vocab_size", "pad_id")}
+    # Values of the recipe's [training.ARCH] table override its [training] ones.
+    per_arch = recipe.get(arch_name, {})
+    recipe = {k: v for k, v in recipe.items() if not isinstance(v, dict)} | per_arch
+    model_values = {k: pick(k, model_flags.get(k)) for k in SETTABLE_MODEL_FIELDS}
     train_values = {k: pick(k, train_flags.get(k)) for k in _TRAIN_FIELDS}
     model_cfg = model_preset(arch_name, **model_values)
     train_cfg = TrainConfig(**{k: v for k, v in train_values.items() if v is not None})

@@ -4,14 +4,23 @@ Everything is stored as tensors, ints, floats, strings, lists and dicts so that
 `torch.load(weights_only=True)` reads it back: the python `random` state becomes a list,
 numpy's MT19937 key becomes an int64 tensor. RNG states of every rank are kept (gathered
 to rank 0 before saving), so a resumed multi-process run draws the same dropout masks.
-Checkpoint files are RUN/checkpoint_{step}.pt plus RUN/checkpoint_last.pt; pruning reads
-the step stored inside each file, never the file name. A write killed midway (kill -9,
-power cut) leaves only a `.checkpoint_*.pt.*.tmp` temp file and never a torn checkpoint;
-the next save removes such leftovers (rank 0 is the run's only checkpoint writer).
+A resumed run loads its checkpoint onto the CPU (memory-mapped) whatever device it trains
+on: `load_state_dict` copies each tensor to its parameter's device, the RNG states must be
+CPU tensors anyway, and a GPU never holds the whole payload next to the model.
+
+Checkpoint files are RUN/checkpoint_{step}.pt plus RUN/checkpoint_last.pt, a second name
+(hard link) for the newest numbered file, so saving writes each checkpoint once; where the
+file system has no hard links, checkpoint_last.pt is an atomic copy. Pruning reads the step
+stored inside each file (memory-mapped: the pickled header only, no tensor data), never the
+file name. A write killed midway (kill -9, power cut) leaves only a
+`.checkpoint_*.pt.*.tmp` temp file and never a torn checkpoint; the next save removes such
+leftovers (rank 0 is the run's only checkpoint writer).
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import random
 import shutil
 from dataclasses import dataclass
@@ -21,11 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from nmt.checkpoint import FORMAT, atomic_write_bytes, load_checkpoint, save_checkpoint
+from nmt.checkpoint import BEST, FORMAT, LAST, save_checkpoint, stored_step
 from nmt.errors import CheckpointError
-from nmt.fileio import remove_stale_temps
-
-LAST = "checkpoint_last.pt"
+from nmt.fileio import atomic_output, atomic_write_bytes, remove_stale_temps
 
 
 @dataclass
@@ -62,7 +69,8 @@ def restore_rng(state: dict[str, Any]) -> None:
     version, py_state, gauss = state["python"]
     random.setstate((version, tuple(py_state), gauss))
     name, key, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, key.numpy().astype(np.uint32), pos, has_gauss, cached))
+    # .cpu(): a checkpoint loaded with map_location=<a GPU> has the key on that GPU
+    np.random.set_state((name, key.cpu().numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
 def build_payload(*, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -89,21 +97,14 @@ def build_payload(*, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def write_checkpoint(payload: dict[str, Any], run_dir: Path, keep_last: int) -> Path:
-    """Save RUN/checkpoint_{step}.pt, copy it atomically to checkpoint_last.pt, prune.
-
-    Temp files of earlier, killed writes are removed first.
-    """
+    """Save RUN/checkpoint_{step}.pt, make checkpoint_last.pt name it too (atomically),
+    prune. Temp files of earlier, killed writes are removed first."""
     run_dir = Path(run_dir)
     path = run_dir / f"checkpoint_{payload['step']}.pt"
     remove_stale_temps(run_dir, "checkpoint_*.pt")  # leftovers of killed writes
     save_checkpoint(payload, path)
-
-    def copy(handle: Any) -> None:
-        with path.open("rb") as src:
-            shutil.copyfileobj(src, handle, 1 << 22)
-
     try:
-        atomic_write_bytes(run_dir / LAST, copy)
+        point_last_at(path)
     except OSError as err:
         raise CheckpointError(f"{run_dir / LAST}: cannot write ({err.strerror or err}); "
                               f"{path} is intact") from err
@@ -111,16 +112,36 @@ def write_checkpoint(payload: dict[str, Any], run_dir: Path, keep_last: int) -> 
     return path
 
 
-def stored_step(path: Path) -> int:
-    """The step saved inside a checkpoint (reads the file safely)."""
-    return int(load_checkpoint(path)["step"])
+def point_last_at(path: Path) -> None:
+    """Make RUN/checkpoint_last.pt the same file as `path`, atomically: a hard link renamed
+    over the old name (no bytes copied), or a copy where the file system refuses links."""
+    last = path.parent / LAST
+    try:
+        with atomic_output(last) as tmp:
+            tmp.unlink()
+            os.link(path, tmp)
+        return
+    except OSError as err:
+        if err.errno not in _NO_HARD_LINKS:
+            raise
+
+    def copy(handle: Any) -> None:
+        with path.open("rb") as src:
+            shutil.copyfileobj(src, handle, 1 << 22)
+
+    atomic_write_bytes(last, copy)
+
+
+# What link(2) answers on file systems without hard links (FAT, some FUSE/object stores).
+_NO_HARD_LINKS = {errno.EPERM, errno.EXDEV, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS,
+                  errno.EMLINK, errno.EACCES}
 
 
 def prune_checkpoints(run_dir: Path, keep_last: int) -> list[Path]:
     """Delete all but the `keep_last` numbered checkpoints with the highest stored step."""
     found: list[tuple[int, Path]] = []
     for path in Path(run_dir).glob("checkpoint_*.pt"):
-        if path.name == LAST:
+        if path.name in (LAST, BEST):
             continue
         try:
             found.append((stored_step(path), path))

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nmt.config import TrainConfig
+from nmt.config import DecodeConfig, TrainConfig
 from nmt.data.batching import batch_by_tokens, collate
 from nmt.data.dataset import ParallelData
 from nmt.precision import autocast, resolve_precision
@@ -25,7 +25,8 @@ from nmt.vocab import Vocab
 def validate(model: torch.nn.Module, data: ParallelData, vocab: Vocab, cfg: TrainConfig,
              device: torch.device, env: DistEnv, bleu: bool = False,
              data_dir: Path | None = None) -> dict[str, float]:
-    """{"loss", "nll", "ppl"} per target token (nats), plus "bleu" when asked."""
+    """{"loss", "nll", "ppl"} per target token (nats), plus "bleu" and "chrf" when asked
+    (on rank 0 only: the caller broadcasts them)."""
     was_training = model.training
     model.eval()
     n = len(data)
@@ -51,27 +52,33 @@ def validate(model: torch.nn.Module, data: ParallelData, vocab: Vocab, cfg: Trai
     metrics = {"loss": loss_sum / tokens, "nll": nll_sum / tokens,
                "ppl": math.exp(min(nll_sum / tokens, 50.0))}
     if bleu and env.is_main and n:
-        metrics["bleu"] = greedy_bleu(model, data, vocab, cfg, device, data_dir)
+        metrics.update(decode_scores(model, data, vocab, cfg, device, data_dir))
     model.train(was_training)
     return metrics
 
 
-def greedy_bleu(model: torch.nn.Module, data: ParallelData, vocab: Vocab, cfg: TrainConfig,
-                device: torch.device, data_dir: Path | None = None) -> float:
-    """sacreBLEU of greedy translations of the valid split against DATA/valid.tgt (or the
-    decoded target ids when the text file is absent)."""
+def decode_scores(model: torch.nn.Module, data: ParallelData, vocab: Vocab, cfg: TrainConfig,
+                  device: torch.device, data_dir: Path | None = None) -> dict[str, float]:
+    """sacreBLEU and chrF of the valid split's translations against DATA/valid.tgt (or the
+    decoded target ids when the text file is absent): beam search with translate's
+    settings (beam 4, alpha 0.6, source + 50), --valid-beam to change the beam (1:
+    greedy). Batches of --max-tokens source tokens, shrunk by the beam so the decoder
+    holds about as many rows as a training batch."""
     import sacrebleu
 
-    from nmt.search import greedy_search
+    from nmt.decoding import search_ids
+
+    search = DecodeConfig(beam=cfg.valid_beam or DecodeConfig().beam)
 
     n = len(data)
     hyps: list[str] = [""] * n
     batches = batch_by_tokens(data.src.lengths, np.zeros(n, np.int64),
-                              max(cfg.max_tokens, 1), 10 ** 9).batches
+                              max(cfg.max_tokens // search.beam, 1), 10 ** 9,
+                              oversize_alone=True).batches
     for batch_ids in batches:
         batch = collate([data.src[i] for i in batch_ids], [data.tgt[i] for i in batch_ids])
         with autocast(device, resolve_precision(cfg.precision, device)):
-            out = greedy_search(model, batch.src.to(device), max_len_a=1.0, max_len_b=50)
+            out = search_ids(model, batch.src.to(device), search)
         for i, text in zip(batch_ids.tolist(), vocab.decode(out), strict=True):
             hyps[i] = text
     ref_path = Path(data_dir) / "valid.tgt" if data_dir is not None else None
@@ -79,4 +86,5 @@ def greedy_bleu(model: torch.nn.Module, data: ParallelData, vocab: Vocab, cfg: T
         refs = ref_path.read_text(encoding="utf-8").splitlines()[:n]
     else:
         refs = vocab.decode([data.tgt[i].tolist() for i in range(n)])
-    return float(sacrebleu.corpus_bleu(hyps, [refs]).score)
+    return {"bleu": float(sacrebleu.corpus_bleu(hyps, [refs]).score),
+            "chrf": float(sacrebleu.corpus_chrf(hyps, [refs]).score)}

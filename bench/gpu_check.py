@@ -1,0 +1,434 @@
+"""GPU check: the paper's workload path on CUDA, end to end, in one command.
+
+Run it in any session that has a GPU (it needs nothing but this checkout and
+../shared/data/multi30k):
+
+    .venv/bin/python bench/gpu_check.py                # CUDA: about 10 minutes on an H100
+    .venv/bin/python bench/gpu_check.py --dry-run      # CPU, toy sizes: what CI runs
+
+Each check drives the real `nmt` commands (subprocesses of `python -m cli.main`) or the
+real training loop in-process, on Multi30k prepared and BPE-encoded by `nmt prep` /
+`nmt bpe` into --out:
+
+- train_bf16 / train_fp16: `nmt train` with the Multi30k recipe for --updates updates in
+  bf16 and fp16 (loss scaling); train_cpu_fp32: the same flags on the CPU in fp32. The GPU
+  runs must track the CPU run: mean |loss difference| over the second half of the logged
+  updates at most --loss-tol nats.
+- resume: a bf16 run killed with SIGKILL after its first checkpoint and run again with the
+  same command ends at the same update as an uninterrupted run, with the same loss (to
+  --loss-tol / 10: CUDA kernels are not bitwise deterministic).
+- translate_fp32/bf16/fp16: `nmt translate` of test2016 on CUDA at each precision; sacreBLEU
+  within 0.3 of the CPU fp32 translation of the same model. Sentences/s reported.
+- nbest, sampling, ensemble, attention: `--nbest 4` gives 4 well-formed lines per input,
+  `--sampling --seed S` twice gives identical output (another seed does not), a 2-model
+  ensemble keeps one line per input, `--attention DIR` writes a heatmap per line.
+- host_syncs: one training run in-process under `torch.cuda.set_sync_debug_mode("warn")`;
+  every synchronising CUDA call is listed by its nmt call site, with its count per update.
+- big_memory: peak GPU memory (allocated and reserved) of `--arch big` (vocab 37,000) for
+  training updates at the WMT recipe's per-GPU max_tokens, typical (32-token) and worst-case
+  (256-token) sentences.
+
+Prints a table and one JSON line; exits 1 when a check fails. --dry-run runs every step on
+the CPU at toy size (CUDA-only figures are reported as n/a) so the script cannot rot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+SHARED = Path(os.environ.get("NMT_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+
+@dataclass
+class Check:
+    """One row of the report."""
+
+    name: str
+    status: str = "ok"  # ok | FAIL | n/a
+    figure: str = ""
+    detail: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Setup:
+    """What every check shares: device, sizes, paths."""
+
+    dry: bool
+    device: str
+    out: Path
+    data: Path
+    updates: int
+    lines: int
+    loss_tol: float
+    python: str = sys.executable
+
+    @property
+    def model_flags(self) -> list[str]:
+        """Dry run: the tiny shape; else the Multi30k recipe's (small)."""
+        return ["--arch", "tiny", "--max-tokens", "512"] if self.dry else []
+
+
+def run_cli(setup: Setup, *args: str, stdin: bytes | None = None,
+            timeout: float = 900) -> subprocess.CompletedProcess:
+    """`python -m cli.main ARGS` from the checkout; raises with its stderr on failure."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run([setup.python, "-m", "cli.main", *args], input=stdin,
+                            capture_output=True, timeout=timeout, env=env, cwd=REPO)
+    if result.returncode != 0:
+        raise RuntimeError(f"nmt {' '.join(args[:2])} exited {result.returncode}: "
+                           f"{result.stderr.decode(errors='replace')[-1500:]}")
+    return result
+
+
+def prepare(setup: Setup) -> None:
+    """Multi30k through `nmt prep` (from the local mirror) and `nmt bpe`, once."""
+    if (setup.data / "bin").is_dir():
+        return
+    mirror = SHARED / "multi30k"
+    if not (mirror / "train.en").is_file():
+        raise SystemExit(f"gpu_check: {mirror} not found (Multi30k is read from "
+                         "../shared/data; set NMT_SHARED_DATA)")
+    run_cli(setup, "prep", "multi30k-en-de", "-o", str(setup.data), "--mirror", str(mirror))
+    run_cli(setup, "bpe", str(setup.data))
+
+
+def train_losses(run: Path) -> dict[int, float]:
+    """update -> train loss from RUN/train_log.jsonl."""
+    from nmt.train.log import read_jsonl
+
+    return {r["step"]: r["loss"] for r in read_jsonl(run / "train_log.jsonl")
+            if r["kind"] == "train"}
+
+
+def train_run(setup: Setup, run: Path, device: str, precision: str, *extra: str) -> Check:
+    """`nmt train` for --updates updates; loss and tokens/s from its log."""
+    from nmt.train.log import read_jsonl
+
+    start = time.perf_counter()
+    run_cli(setup, "train", str(setup.data), "-o", str(run), "--device", device,
+            "--precision", precision, "--max-updates", str(setup.updates),
+            "--log-interval", str(max(1, setup.updates // 20)), "--valid-interval",
+            str(setup.updates), *setup.model_flags, *extra)
+    seconds = time.perf_counter() - start
+    records = [r for r in read_jsonl(run / "train_log.jsonl") if r["kind"] == "train"]
+    last = records[-1]
+    tok_s = sum(r["tokens_per_s"] for r in records[1:]) / max(1, len(records) - 1)
+    skipped = last["skipped_updates"]
+    return Check(f"train_{precision}" + ("" if device != "cpu" or setup.dry else "_cpu"),
+                 figure=f"loss {last['loss']:.3f} at {last['step']}",
+                 detail=f"{tok_s:,.0f} tok/s, {skipped} skipped, {seconds:.0f} s",
+                 data={"loss": last["loss"], "step": last["step"], "tokens_per_s": tok_s,
+                       "skipped_updates": skipped, "seconds": seconds})
+
+
+def tracks(gpu: dict[int, float], cpu: dict[int, float], tol: float) -> tuple[float, bool]:
+    """Mean |loss difference| over the second half of the common logged updates."""
+    steps = sorted(set(gpu) & set(cpu))
+    tail = steps[len(steps) // 2:]
+    if not tail:
+        return float("nan"), False
+    diff = sum(abs(gpu[s] - cpu[s]) for s in tail) / len(tail)
+    return diff, diff <= tol
+
+
+def check_training(setup: Setup, runs: Path) -> list[Check]:
+    """bf16 and fp16 on the device, fp32 on the CPU with the same flags; loss tracking."""
+    checks = []
+    cpu = train_run(setup, runs / "cpu_fp32", "cpu", "fp32")
+    cpu.name = "train_cpu_fp32"
+    cpu_losses = train_losses(runs / "cpu_fp32")
+    for precision in ("bf16", "fp16"):
+        check = train_run(setup, runs / precision, setup.device, precision,
+                          "--save-interval-updates", str(max(1, setup.updates // 2)))
+        check.name = f"train_{precision}"
+        diff, ok = tracks(train_losses(runs / precision), cpu_losses, setup.loss_tol)
+        check.figure += f" (CPU fp32 {cpu.data['loss']:.3f}, mean |diff| {diff:.3f})"
+        check.data["mean_abs_diff_vs_cpu"] = diff
+        check.status = "ok" if ok else "FAIL"
+        checks.append(check)
+    checks.insert(0, cpu)
+    return checks
+
+
+def check_resume(setup: Setup, runs: Path) -> Check:
+    """SIGKILL a bf16 run after its first save, run it again: same end as uninterrupted."""
+    from nmt.checkpoint import load_checkpoint
+
+    run = runs / "resume"
+    flags = ["train", str(setup.data), "-o", str(run), "--device", setup.device,
+             "--precision", "bf16", "--max-updates", str(setup.updates), "--log-interval",
+             str(max(1, setup.updates // 20)), "--valid-interval", str(setup.updates),
+             "--save-interval-updates", str(max(1, setup.updates // 2)), *setup.model_flags]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    log = runs / "resume.stderr"
+    with log.open("wb") as err:
+        proc = subprocess.Popen([setup.python, "-m", "cli.main", *flags], stderr=err,
+                                stdout=subprocess.DEVNULL, env=env, cwd=REPO)
+        deadline = time.monotonic() + 600
+        while b"saved " not in log.read_bytes() and proc.poll() is None:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        killed = proc.poll() is None
+        if killed:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    killed_at = load_checkpoint(run / "checkpoint_last.pt")["step"]
+    run_cli(setup, *flags)
+    resumed = load_checkpoint(run / "checkpoint_last.pt")
+    whole = load_checkpoint(runs / "bf16" / "checkpoint_last.pt")
+    a, b = train_losses(run), train_losses(runs / "bf16")
+    end = max(a)
+    diff = abs(a[end] - b.get(end, float("nan")))
+    same_end = resumed["step"] == whole["step"] == setup.updates
+    ok = killed and same_end and diff <= setup.loss_tol / 10
+    return Check("resume", "ok" if ok else "FAIL",
+                 figure=f"killed at {killed_at}, ended at {resumed['step']}",
+                 detail=f"final loss {a[end]:.4f} vs uninterrupted {b.get(end, float('nan')):.4f}",
+                 data={"killed": killed, "killed_at": killed_at, "end": resumed["step"],
+                       "loss_diff": diff})
+
+
+def translate(setup: Setup, models: list[Path], source: Path, *flags: str,
+              device: str | None = None) -> tuple[list[str], float]:
+    """Lines `nmt translate` writes for `source`, and the seconds it took."""
+    args = ["translate", "-i", str(source), "--device", device or setup.device]
+    for model in models:
+        args += ["-m", str(model)]
+    start = time.perf_counter()
+    result = run_cli(setup, *args, *flags)
+    lines = result.stdout.decode("utf-8").split("\n")[:-1]  # one per input line, by \n
+    return lines, time.perf_counter() - start
+
+
+def bleu(hyps: list[str], refs: list[str]) -> float:
+    """Detokenized sacreBLEU."""
+    import sacrebleu
+
+    return float(sacrebleu.corpus_bleu(hyps, [refs]).score)
+
+
+def check_translate(setup: Setup, model: Path, source: Path, refs: list[str]) -> list[Check]:
+    """CUDA fp32/bf16/fp16 against the CPU fp32 BLEU of the same model."""
+    cpu_hyps, cpu_s = translate(setup, [model], source, "--precision", "fp32", device="cpu")
+    reference = bleu(cpu_hyps, refs)
+    checks = [Check("translate_cpu_fp32", figure=f"BLEU {reference:.2f}",
+                    detail=f"{len(cpu_hyps) / cpu_s:.1f} sent/s incl. start-up",
+                    data={"bleu": reference, "seconds": cpu_s})]
+    for precision in ("fp32", "bf16", "fp16"):
+        if setup.dry and precision == "fp16":
+            checks.append(Check("translate_fp16", "n/a", detail="fp16 decoding is CUDA-only"))
+            continue
+        hyps, seconds = translate(setup, [model], source, "--precision", precision)
+        score = bleu(hyps, refs)
+        ok = len(hyps) == len(refs) and abs(score - reference) <= 0.3
+        checks.append(Check(f"translate_{precision}", "ok" if ok else "FAIL",
+                            figure=f"BLEU {score:.2f} (CPU fp32 {reference:.2f})",
+                            detail=f"{len(hyps) / seconds:.1f} sent/s incl. start-up",
+                            data={"bleu": score, "delta": score - reference,
+                                  "seconds": seconds, "lines": len(hyps)}))
+    return checks
+
+
+def check_decoding_modes(setup: Setup, models: list[Path], source: Path,
+                         attention_dir: Path) -> list[Check]:
+    """--nbest, --sampling with a seed, a 2-model ensemble, --attention."""
+    n = len(source.read_text(encoding="utf-8").splitlines())
+    lines, _ = translate(setup, models[:1], source, "--nbest", "4")
+    index_ok = [int(line.split("\t")[0]) for line in lines] == [i for i in range(n)
+                                                               for _ in range(4)]
+    checks = [Check("nbest", "ok" if index_ok else "FAIL", figure=f"{len(lines)} lines",
+                    detail=f"{n} inputs x 4")]
+    one, _ = translate(setup, models[:1], source, "--sampling", "--seed", "7")
+    two, _ = translate(setup, models[:1], source, "--sampling", "--seed", "7")
+    other, _ = translate(setup, models[:1], source, "--sampling", "--seed", "8")
+    ok = one == two and one != other and len(one) == n
+    checks.append(Check("sampling", "ok" if ok else "FAIL",
+                        figure="same seed: identical" if one == two else "seed not honoured",
+                        detail="other seed differs" if one != other else "other seed same"))
+    ens, _ = translate(setup, models, source)
+    checks.append(Check("ensemble", "ok" if len(ens) == n else "FAIL",
+                        figure=f"{len(ens)} lines for {n}", detail=f"{len(models)} models"))
+    translate(setup, models[:1], source, "--attention", str(attention_dir))
+    maps = sorted(attention_dir.glob("*"))
+    checks.append(Check("attention", "ok" if len(maps) >= n else "FAIL",
+                        figure=f"{len(maps)} files", detail=str(attention_dir)))
+    return checks
+
+
+def check_host_syncs(setup: Setup, runs: Path) -> Check:
+    """In-process training under the CUDA sync debug mode; call sites and counts."""
+    import torch
+
+    from nmt.train.loop import Trainer
+    from nmt.train.settings import resolve
+
+    updates = max(4, min(50, setup.updates))
+    flags = {"max_updates": updates, "valid_interval": 10 ** 6, "log_interval": 10 ** 6,
+             "save_interval_minutes": 0.0, "precision": "bf16" if not setup.dry else "fp32"}
+    model_cfg, train_cfg, _ = resolve(setup.data, "tiny" if setup.dry else None, {}, flags)
+    trainer = Trainer(setup.data, runs / "syncs", model_cfg, train_cfg, setup.device,
+                      progress=False)
+    sites: Counter[str] = Counter()
+
+    def record(message: Any, category: Any, filename: str, lineno: int, *rest: Any) -> None:
+        if "synchroniz" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if "/nmt/" in f.filename]
+        if frames:
+            f = frames[-1]
+            sites[f"{Path(f.filename).relative_to(REPO)}:{f.lineno} {f.name}: "
+                  f"{(f.line or '').strip()[:60]}"] += 1
+
+    if setup.device == "cpu":
+        trainer.run()
+        return Check("host_syncs", "n/a", detail="CUDA sync debug mode: needs a GPU")
+    before = warnings.showwarning
+    warnings.showwarning = record
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                trainer.run()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        warnings.showwarning = before
+    per_update = {site: count / updates for site, count in sites.most_common()}
+    return Check("host_syncs", "ok", figure=f"{sum(sites.values()) / updates:.1f} per update",
+                 detail="; ".join(f"{c:.2f}x {s}" for s, c in per_update.items())[:2000],
+                 data={"updates": updates, "per_update": per_update})
+
+
+def check_big_memory(setup: Setup) -> Check:
+    """Peak GPU memory of big training updates at the WMT recipe's per-GPU max_tokens."""
+    if setup.device == "cpu":
+        return Check("big_memory", "n/a", detail="peak GPU memory: needs a GPU")
+    import torch
+
+    from nmt.config import TrainConfig, model_preset
+    from nmt.model import Transformer
+    from nmt.precision import autocast
+    from nmt.recipes import load_recipe
+    from nmt.train.loss import label_smoothed_nll
+    from nmt.train.schedule import build_optimizer
+
+    max_tokens = int(load_recipe("wmt14-en-de").training["max_tokens"])
+    device = torch.device(setup.device)
+    model = Transformer(model_preset("big", vocab_size=37000)).to(device)
+    optimizer = build_optimizer(model.parameters(), TrainConfig(), device)
+    peaks = {}
+    for length in (32, 256):
+        rows = max_tokens // length
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(2):
+            src = torch.randint(4, 37000, (rows, length), device=device)
+            tgt = torch.randint(4, 37000, (rows, length), device=device)
+            with autocast(device, "bf16"):
+                logits = model(src, tgt, has_pad=False)
+                loss, _ = label_smoothed_nll(logits, tgt, 0.1, 0)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        peaks[length] = (torch.cuda.max_memory_allocated() / 2 ** 30,
+                         torch.cuda.max_memory_reserved() / 2 ** 30)
+    total = torch.cuda.get_device_properties(device).total_memory / 2 ** 30
+    worst = max(r for _, r in peaks.values())
+    return Check("big_memory", "ok" if worst < 0.9 * total else "FAIL",
+                 figure=f"{worst:.1f} of {total:.0f} GiB reserved",
+                 detail="; ".join(f"len {n}: {a:.1f} GiB allocated, {r:.1f} reserved"
+                                  for n, (a, r) in peaks.items())
+                 + f" (max_tokens {max_tokens}, bf16)",
+                 data={"max_tokens": max_tokens, "total_gib": total,
+                       "peaks_gib": {str(n): {"allocated": a, "reserved": r}
+                                     for n, (a, r) in peaks.items()}})
+
+
+def guarded(name: str, fn: Any, *args: Any) -> list[Check]:
+    """Run one check; an exception becomes a FAIL row instead of ending the script."""
+    try:
+        result = fn(*args)
+    except Exception as err:  # reported as a FAIL row; the other checks still run
+        return [Check(name, "FAIL", detail=f"{type(err).__name__}: {err}"[:1500])]
+    return result if isinstance(result, list) else [result]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU, toy sizes: every step runs, CUDA-only figures are n/a")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "gpu_check")
+    parser.add_argument("--updates", type=int, default=None,
+                        help="training updates per run (default 600; dry run 16)")
+    parser.add_argument("--lines", type=int, default=None,
+                        help="test2016 lines to translate (default 1000; dry run 40)")
+    parser.add_argument("--loss-tol", type=float, default=0.15,
+                        help="mean |train loss difference| GPU vs CPU fp32, nats")
+    opts = parser.parse_args()
+    import torch
+
+    dry = opts.dry_run or not torch.cuda.is_available()
+    setup = Setup(dry=dry, device="cpu" if dry else "cuda", out=opts.out,
+                  data=opts.out / "data", updates=opts.updates or (16 if dry else 600),
+                  lines=opts.lines or (40 if dry else 1000),
+                  loss_tol=opts.loss_tol if not dry else 1.0)
+    runs = setup.out / "runs"
+    if runs.exists():
+        import shutil
+
+        shutil.rmtree(runs)
+    runs.mkdir(parents=True)
+    prepare(setup)
+    source = runs / "test.src"
+    source.write_text("".join(line + "\n" for line in (setup.data / "test.src").read_text(
+        encoding="utf-8").splitlines()[:setup.lines]), encoding="utf-8")
+    refs = (setup.data / "test.tgt").read_text(encoding="utf-8").splitlines()[:setup.lines]
+
+    checks = guarded("training", check_training, setup, runs)
+    checks += guarded("resume", check_resume, setup, runs)
+    model = runs / "bf16" / "checkpoint_last.pt"
+    models = [model, sorted((runs / "bf16").glob("checkpoint_[0-9]*.pt"))[0]]
+    checks += guarded("translate", check_translate, setup, model, source, refs)
+    few = runs / "few.src"
+    few.write_text("".join(source.read_text(encoding="utf-8").splitlines(True)[:8]),
+                   encoding="utf-8")
+    checks += guarded("decoding", check_decoding_modes, setup, models, few, runs / "attn")
+    checks += guarded("host_syncs", check_host_syncs, setup, runs)
+    checks += guarded("big_memory", check_big_memory, setup)
+
+    name = torch.cuda.get_device_name() if setup.device == "cuda" else "cpu (dry run)"
+    width = max(len(c.name) for c in checks)
+    print(f"gpu_check on {name}, torch {torch.__version__}, {setup.updates} updates, "
+          f"{setup.lines} test lines")
+    for c in checks:
+        print(f"  {c.name:<{width}}  {c.status:<4}  {c.figure}" + (f"  [{c.detail}]"
+                                                                  if c.detail else ""))
+    failed = [c.name for c in checks if c.status == "FAIL"]
+    print(json.dumps({"bench": "gpu_check", "device": name, "dry_run": setup.dry,
+                      "torch": torch.__version__, "updates": setup.updates,
+                      "lines": setup.lines, "failed": failed,
+                      "checks": {c.name: {"status": c.status, "figure": c.figure,
+                                          "detail": c.detail, **c.data} for c in checks}}))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

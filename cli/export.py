@@ -1,0 +1,39 @@
+"""`nmt export ct2 -m MODEL -o DIR`: write a model for another inference engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from cli.common import console, handle_errors
+
+app = typer.Typer(help="Export a checkpoint for another inference engine.",
+                  no_args_is_help=True, add_completion=False)
+
+
+@app.command("ct2", help="Write a CTranslate2 model directory from an nmt checkpoint "
+             "(needs ctranslate2: pip install 'nmt\\[ct2]'). Exit codes: 2 bad option, "
+             "existing output or ctranslate2 missing; 3 unreadable file or directory; 6 "
+             "unloadable checkpoint or failed conversion.")
+def ct2(
+    model: Path = typer.Option(..., "--model", "-m", help="Checkpoint (from train or "
+                               "average)."),
+    output: Path = typer.Option(..., "--output", "-o", help="CTranslate2 model directory "
+                                "to write (written under a temporary name, then renamed)."),
+    quantization: str = typer.Option("float32", "--quantization", "-q", show_default=True,
+                                     help="Weight type: float32, int8, int8_float32, "
+                                     "int8_float16, int8_bfloat16, int16, float16, "
+                                     "bfloat16 (CTranslate2 can also convert at load time "
+                                     "with compute_type)."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing output "
+                               "directory."),
+) -> None:
+    """Write a CTranslate2 model directory (model.bin, config.json, vocabulary,
+    sentencepiece.model, README.md with usage) from an nmt checkpoint."""
+    with handle_errors("export ct2"):
+        from nmt.export_ct2 import export_ct2  # torch: load lazily
+
+        export_ct2(model, output, quantization=quantization, force=force)
+        console.print(f"nmt export ct2: wrote {output} ({quantization}); usage in "
+                      f"{output / 'README.md'}", markup=False, soft_wrap=True)

@@ -1,0 +1,259 @@
+"""Incremental decoding of a Transformer for search: one target position per step.
+
+`init_state` computes the cross-attention K/V of every decoder layer once per sentence and
+opens an empty key/value cache (its layout and memory: nmt/kv_cache.py); `decode_step`
+feeds each row's newest token at the next position and returns next-token logits for that
+position only. `ModelStepDecoder` adapts this to the search's `StepDecoder` protocol
+(nmt/search.py): float32 log-probabilities, row reordering, finished rows skipped; search
+code never sees a cache. `greedy_search` is the one-call greedy decoder validation uses.
+
+Memory has an explicit owner. A `DecodingWorkspace` (one per model, kept by a Translator)
+lends the cache and logits memory its previous batch's decoder left to the next one, and
+takes it back when that decoder is closed (`with workspace.decoder(src) as decoder: ...`):
+on a CPU fresh large buffers are page-faulted in afresh at every batch, reused ones are
+not. The workspace also holds the packed copy of the model's output projection when its
+linears are packed (nmt/packed_linear.py). Nothing global, no finalisers.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+import torch
+from torch import Tensor, nn
+
+from nmt.config import DecodeConfig
+from nmt.kv_cache import (
+    INITIAL_CAPACITY,
+    DecoderState,
+    check_live,
+    grow_cache,
+    new_state,
+    release_cache,
+    reorder_cache,
+    reserve_cache,
+    slot_mask,
+)
+from nmt.model import EncoderOutput, Transformer
+from nmt.packed_linear import PackedLinear, is_packed
+from nmt.search import beam_search, greedy_decode, max_output_lengths
+
+_DEFAULTS = DecodeConfig()
+
+
+def init_state(model: Transformer, enc: EncoderOutput, attention_layer: int = -1
+               ) -> DecoderState:
+    """Start incremental decoding: cross-attention K/V of every layer, computed once,
+    and an empty self-attention cache; one row (group of size 1) per sentence.
+    `attention_layer` picks the layer whose cross-attention `need_attention` stores."""
+    # Contiguous once here, so every step's matmuls read K/V in place (a transposed
+    # view would make each step's bmm copy them).
+    cross = [tuple(t.contiguous() for t in layer.cross_attn.project_kv(enc.states))
+             for layer in model.decoder]  # per layer (K, V), each (n, heads, src_len, d)
+    return new_state([k for k, _ in cross], [v for _, v in cross], enc.padding_mask,
+                     enc.attn_mask(), min(INITIAL_CAPACITY, model.cfg.max_positions),
+                     attention_layer)
+
+
+def decode_step(model: Transformer, tokens: Tensor, state: DecoderState, *,
+                need_attention: bool = False, live: Tensor | None = None,
+                out: Tensor | None = None, projection: PackedLinear | None = None) -> Tensor:
+    """Feed the newest token of each row, `tokens` (n,), at position `state.step`;
+    update `state` in place and return next-token logits (n, vocab), computed for
+    this one position only.
+
+    With `live` (m,) row indices, `tokens` (m,) are the newest tokens of those rows
+    only and the logits are (m, vocab): the other rows (finished sentences that a
+    search keeps in the state until it compacts it, saving a cache copy per finished
+    sentence) cost no projection, feed-forward or vocabulary matmul. They get zero
+    keys/values at this position, so leave a row out only once it is done for good.
+
+    With `out` (at least n or m rows, vocab), the logits are written into its first
+    rows and that view is returned: a search reusing one buffer avoids a fresh
+    (rows, vocab) allocation per step (large enough to be page-faulted in each time).
+    A packed `projection` of the output weight replaces the plain matmul; it ignores
+    `out` (its kernel has no out= form and returns a new tensor).
+
+    With `need_attention`, the encoder-decoder attention of layer
+    `state.attention_layer` is stored in `state.attention` (n or m, heads, src_len).
+    """
+    check_live(state)
+    position = state.step
+    positions = model.dec_positions(1, offset=position)  # (1, d_model); checks the limit
+    if position == state.capacity:
+        grow_cache(state, min(2 * position, model.cfg.max_positions))
+    mask = slot_mask(state, position)  # None, or (groups, 1, g, (t+1)*g)
+    x = model.embed_tokens(tokens[:, None], positions)  # (n, 1, d_model)
+    want = state.attention_layer % len(model.decoder) if need_attention else -1
+    for i, layer in enumerate(model.decoder):
+        x, weights = layer.step(x, state.self_k[i], state.self_v[i], position, mask,
+                                state.cross_k[i], state.cross_v[i], state.cross_mask,
+                                need_weights=i == want, live=live)
+        if weights is not None:
+            state.attention = weights  # (n, heads, src_len)
+    if model.dec_norm is not None:
+        x = model.dec_norm(x)
+    state.step += 1
+    return _logits(model, x[:, 0], out, projection)  # (n or m, vocab)
+
+
+def _logits(model: Transformer, features: Tensor, out: Tensor | None,
+            projection: PackedLinear | None) -> Tensor:
+    """`model.logits` of (rows, d_model) `features`, through the packed `projection` when
+    given, else into the first rows of `out` when given: (rows, vocab)."""
+    if projection is not None:
+        return projection(features)
+    if out is None:
+        return model.logits(features)
+    return torch.mm(features, model.output_weight.t(), out=out[: features.size(0)])
+
+
+class DecodingWorkspace:
+    """What one model's step decoders hand on from batch to batch: the key/value cache and
+    logits memory of the last closed decoder (CPU), and the packed output projection.
+
+    Lent to one decoder at a time: `decoder(src)` takes the memory, the decoder's `close()`
+    gives its own back; a second decoder opened meanwhile allocates afresh (two live
+    decoders never share memory). Keep one per model for as long as it translates.
+    """
+
+    def __init__(self, model: Transformer, projection: nn.Module | None = None) -> None:
+        self.model = model
+        # The vocabulary matmul is the biggest of a step: `projection` (e.g. int8) when
+        # given, else a packed copy of the shared output matrix when the model's linears
+        # are packed, else the plain matmul.
+        if projection is None and is_packed(model):
+            projection = PackedLinear(model.output_weight, None)
+        self.projection = projection
+        self._buffers: list[Tensor] = []
+        self._logits: Tensor | None = None
+
+    def decoder(self, src: Tensor) -> ModelStepDecoder:
+        """A step decoder over `src` (batch, src_len) that reuses this workspace; close it
+        (or use it as a context manager) to leave its memory to the next one."""
+        return ModelStepDecoder(self.model, src, self)
+
+    def take(self) -> tuple[list[Tensor], Tensor | None]:
+        """The pooled (cache buffers, logits buffer), leaving the workspace empty."""
+        lent = (self._buffers, self._logits)
+        self._buffers, self._logits = [], None
+        return lent
+
+    def give_back(self, buffers: list[Tensor], logits: Tensor | None) -> None:
+        """Pool the memory of a finished decoder for the next one."""
+        self._buffers, self._logits = buffers, logits
+
+
+class ModelStepDecoder:
+    """StepDecoder over a `Transformer` for one batch: encodes once, then decodes one token
+    at a time.
+
+    The log-probabilities a step returns live in a buffer that the next step overwrites
+    (one (rows, V) allocation per search instead of two per step, each big enough to be
+    page-faulted in afresh): use them before the next `step`, or copy them. With a
+    `workspace` on a CPU, the decoder starts from the memory the workspace's previous
+    decoder left, and `close()` (or leaving its `with` block) gives its own back, so a
+    search per batch maps that memory once. Without one it allocates afresh. A closed
+    decoder cannot step.
+    """
+
+    def __init__(self, model: Transformer, src: Tensor,
+                 workspace: DecodingWorkspace | None = None) -> None:
+        self.model = model
+        self.state = init_state(model, model.encode(src))
+        self.projection = None if workspace is None else workspace.projection
+        self._workspace = workspace if src.device.type == "cpu" else None
+        lent = self._workspace.take() if self._workspace is not None else None
+        self._lent: list[Tensor] | None = None if lent is None else lent[0]  # until reserve
+        self._logits: Tensor | None = None if lent is None else lent[1]
+
+    def __enter__(self) -> ModelStepDecoder:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End decoding; with a workspace, leave the cache and logits memory to its next
+        decoder. Idempotent."""
+        if self.state.consumed:
+            return
+        buffers = release_cache(self.state)
+        if self._workspace is None:
+            return
+        if self._lent is not None:  # never reserved: keep what it was lent
+            buffers = buffers + self._lent
+        self._workspace.give_back(buffers, self._logits)
+
+    def step(self, tokens: Tensor) -> Tensor:
+        """Next-token log-probabilities in float32 whatever the model's precision."""
+        logits = decode_step(self.model, tokens, self.state, out=self._out(tokens.numel()),
+                             projection=self.projection)
+        return self._log_softmax(logits)
+
+    def step_rows(self, tokens: Tensor, rows: Tensor, n_rows: int) -> Tensor:
+        """Like `step` for rows `rows` (m,) of the `n_rows` only, `tokens` (m,) -> log-probs
+        (m, V); the other rows are finished for good (see `decode_step`)."""
+        logits = decode_step(self.model, tokens, self.state, live=rows,
+                             out=self._out(tokens.numel()), projection=self.projection)
+        return self._log_softmax(logits)
+
+    def reserve(self, positions: int) -> None:
+        """Preallocate the key/value caches for `positions` target tokens (capped by the
+        model's positions), in the memory the workspace lent when it had some."""
+        buffers, self._lent = self._lent, None
+        reserve_cache(self.state, min(positions, self.model.cfg.max_positions), buffers)
+
+    def reorder(self, new_order: Tensor) -> None:
+        """Select/duplicate rows of the key/value cache and the encoder mask."""
+        self.state = reorder_cache(self.state, new_order)
+
+    def _out(self, rows: int) -> Tensor | None:
+        """The reused logits buffer, grown to at least `rows` rows (model dtype); None when
+        the output projection is packed (it allocates its own output)."""
+        if self.projection is not None:
+            return None
+        weight = self.model.output_weight
+        if (self._logits is None or self._logits.size(0) < rows
+                or self._logits.dtype != weight.dtype):
+            self._logits = weight.new_empty(rows, weight.size(0))  # (rows, V)
+        return self._logits
+
+    @staticmethod
+    def _log_softmax(logits: Tensor) -> Tensor:
+        """log_softmax over the vocabulary in float32, in place when already float32."""
+        logits = logits.float()  # (N, V); a copy only for bf16/fp16 models
+        return torch.log_softmax(logits, dim=-1, out=logits)
+
+
+@torch.no_grad()
+def greedy_search(model: Transformer, src: Tensor, max_len_a: float = _DEFAULTS.max_len_a,
+                  max_len_b: int = _DEFAULTS.max_len_b, min_len: int = _DEFAULTS.min_len
+                  ) -> list[list[int]]:
+    """Greedy piece ids (without EOS) for a padded source batch (B, S); for validation BLEU.
+
+    The caller puts the model in eval mode (dropout off) and back; gradients are off here.
+    """
+    cap = model.cfg.max_positions - 1
+    max_lens = max_output_lengths(src, max_len_a, max_len_b, cap)
+    with ModelStepDecoder(model, src) as decoder:
+        hyps = greedy_decode(decoder, max_lens, alpha=0.0, min_len=min_len)  # tokens only
+    return [h.tokens for h in hyps]
+
+
+@torch.no_grad()
+def search_ids(model: Transformer, src: Tensor, cfg: DecodeConfig = _DEFAULTS
+               ) -> list[list[int]]:
+    """Best piece ids (without EOS) of each sentence of a padded source batch (B, S) by
+    beam search with `cfg`'s beam, length penalty and length limits (beam 1: greedy), as
+    `nmt translate` decodes; for validation BLEU. The caller puts the model in eval mode
+    (dropout off) and back; gradients are off here."""
+    if cfg.beam == 1:
+        return greedy_search(model, src, cfg.max_len_a, cfg.max_len_b, cfg.min_len)
+    max_lens = max_output_lengths(src, cfg.max_len_a, cfg.max_len_b,
+                                  model.cfg.max_positions - 1)
+    with ModelStepDecoder(model, src) as decoder:
+        hyps = beam_search(decoder, max_lens, beam=cfg.beam, alpha=cfg.alpha, nbest=1,
+                           min_len=cfg.min_len)
+    return [h[0].tokens if h else [] for h in hyps]

@@ -1,0 +1,285 @@
+"""The key/value cache of incremental decoding: its grouped layout, reordering and memory.
+
+The cache is organised by GROUP: the g rows of one sentence (its beam) share one copy of
+the cross-attention K/V, and their self-attention K/V live in g slots of preallocated
+per-group buffers, written in place one position per step (by `SelfAttention.step`). A
+reorder within the groups (beam search's per-step reordering) copies no key or value: it
+only permutes a small ancestry table (which slot holds each row's key at each position)
+that the attention turns into a mask (`slot_mask`). Whole groups are copied only when
+sentences leave (shrink) or the layout changes; using a state after `reorder_cache`
+consumed it raises.
+
+Memory: buffers a state no longer uses (copied from by a shrink or a growth, or lent by
+`reserve_cache`) go to its free list and are carved up for the next new buffers, so a
+search reuses pages it has already touched instead of page-faulting fresh large ones.
+`release_cache` hands all of a finished state's memory back to the caller.
+
+Tensor bookkeeping only: the sizes come from the cross-attention K/V the caller computed;
+capacities arrive already capped by the model's positions (see nmt/decoding.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+INITIAL_CAPACITY = 16  # target positions preallocated by a new state; doubled when full
+
+
+@dataclass
+class DecoderState:
+    """Everything incremental decoding caches, for n = groups * g rows, g rows per group.
+
+    Row r is slot r % g of group r // g. A group is one sentence (g = beam during beam
+    search, 1 before the expansion), so the encoder side is stored once per group. The
+    self-attention keys/values of every layer live in buffers (groups, heads, capacity,
+    g, d) whose capacity doubles when full; each step writes row r's newest key into
+    its own slot. `ancestry[b, s, p]` is the slot of group b that holds, at position p,
+    the key of the prefix row (b, s) now extends; beam reordering permutes `ancestry`
+    rows instead of copying the caches (see `reorder_cache`).
+    `attention_layer` picks the decoder layer whose encoder-decoder attention
+    `decode_step(..., need_attention=True)` (nmt/decoding.py) stores in `attention`
+    (n, heads, src_len).
+    """
+
+    cross_k: list[Tensor]  # per layer (groups, heads, src_len, d_k)
+    cross_v: list[Tensor]  # per layer (groups, heads, src_len, d_v)
+    padding_mask: Tensor  # (groups, src_len) True at PAD
+    cross_mask: Tensor | None  # (groups, 1, 1, src_len) True = attend; None: no padding
+    self_k: list[Tensor]  # per layer (groups, heads, capacity, g, d_k); positions >= step unused
+    self_v: list[Tensor]  # per layer (groups, heads, capacity, g, d_v)
+    ancestry: Tensor  # (groups, g, capacity) long: slot holding each row's key per position
+    group_size: int = 1  # g
+    step: int = 0  # number of target tokens fed so far = position of the next one
+    attention_layer: int = -1
+    attention: Tensor | None = None
+    consumed: bool = False  # set by reorder_cache: this state's buffers now belong to another
+    # Buffers whose memory the state no longer uses (caches that a shrink or a growth
+    # copied from, or handed in by `reserve_cache`), reused for the next new cache: their
+    # pages are already mapped, fresh large ones would be page-faulted in afresh.
+    free: list[Tensor] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        """n = groups * g, the number of hypotheses decoded side by side."""
+        return self.ancestry.size(0) * self.group_size
+
+    @property
+    def capacity(self) -> int:
+        """Target positions the caches hold before they must grow."""
+        return self.ancestry.size(2)
+
+
+def new_state(cross_k: list[Tensor], cross_v: list[Tensor], padding_mask: Tensor,
+              cross_mask: Tensor | None, capacity: int, attention_layer: int = -1
+              ) -> DecoderState:
+    """A state of one row (group of size 1) per sentence around the per-layer cross K/V
+    (n, heads, src_len, d), with empty self-attention caches of `capacity` positions."""
+    n = cross_k[0].size(0)
+    self_k, self_v = _empty_caches(cross_k, cross_v, n, capacity, 1, [])
+    return DecoderState(cross_k=cross_k, cross_v=cross_v, padding_mask=padding_mask,
+                        cross_mask=cross_mask, self_k=self_k, self_v=self_v,
+                        ancestry=torch.zeros(n, 1, capacity, dtype=torch.long,
+                                             device=padding_mask.device),
+                        attention_layer=attention_layer)
+
+
+def slot_mask(state: DecoderState, position: int) -> Tensor | None:
+    """Record that each row's key at `position` goes to its own slot, and return the mask
+    (groups, 1, g, (position+1) * g), True where a slot holds the row's own ancestor, that
+    keeps each row to its own history; None when g == 1 (one slot: nothing to mask)."""
+    g = state.group_size
+    if g == 1:
+        return None
+    slots = torch.arange(g, device=state.ancestry.device)
+    state.ancestry[:, :, position] = slots
+    ancestry = state.ancestry[:, :, : position + 1]  # (groups, g, t+1)
+    mask = ancestry.unsqueeze(-1) == slots  # (groups, g, t+1, g)
+    return mask.flatten(2).unsqueeze(1)  # (groups, 1, g, (t+1)*g)
+
+
+def reserve_cache(state: DecoderState, positions: int,
+                  buffers: list[Tensor] | None = None) -> None:
+    """Make room in `state` for `positions` target tokens in all (the caller caps it by
+    the model's positions), so a search that knows its length limit grows the caches once,
+    before the first step, instead of copying them at every doubling. Untouched capacity
+    costs address space only. `buffers` (from `release_cache` of a finished state) lend
+    their memory to this state's caches."""
+    check_live(state)
+    state.free = _release(state.free, buffers or [])
+    if positions > state.capacity:
+        grow_cache(state, positions)
+
+
+def release_cache(state: DecoderState) -> list[Tensor]:
+    """End incremental decoding on `state`: the memory of its self-attention caches, as
+    buffers for `reserve_cache` of a later state (a search over many batches thus maps its
+    cache memory once). `state` is consumed."""
+    check_live(state)
+    state.consumed = True
+    return _release(state.free, state.self_k + state.self_v)
+
+
+def check_live(state: DecoderState) -> None:
+    """Refuse a state whose buffers were handed to a newer one by reorder_cache."""
+    if state.consumed:
+        raise RuntimeError("this DecoderState was consumed by reorder_cache; "
+                           "use the state it returned")
+
+
+def grow_cache(state: DecoderState, new_capacity: int) -> None:
+    """Enlarge the self-attention caches and ancestry of `state` to `new_capacity`
+    positions, in place."""
+    used = state.step
+
+    def grown(old: Tensor) -> Tensor:
+        shape = (*old.shape[:2], new_capacity, *old.shape[3:])  # (b, h, cap, g, d)
+        new = _alloc(state.free, shape, old)
+        new[:, :, :used] = old[:, :, :used]
+        return new
+
+    old = state.self_k + state.self_v
+    state.self_k = [grown(k) for k in state.self_k]
+    state.self_v = [grown(v) for v in state.self_v]
+    state.free = _release(state.free, old)
+    ancestry = state.ancestry.new_zeros(*state.ancestry.shape[:2], new_capacity)  # (b, g, cap)
+    ancestry[:, :, :used] = state.ancestry[:, :, :used]
+    state.ancestry = ancestry
+
+
+def reorder_cache(state: DecoderState, new_order: Tensor) -> DecoderState:
+    """A state whose row j is row new_order[j] of `state` (beam reordering, B -> B*beam
+    expansion with `arange(B).repeat_interleave(beam)`, dropping sentences, or any other
+    selection).
+
+    The new layout keeps g rows per group when every block of g new rows comes from one
+    old group: then only the ancestry table is permuted, and K/V are copied only for
+    groups that move (shrinking, permuting sentences). Expanding g = 1 rows into blocks of
+    k copies of one row makes groups of k. Anything else falls back to one row per group,
+    each row's own history gathered. Deciding costs one host sync. `state` is consumed:
+    the returned state may share its buffers, so any later use of `state` raises
+    RuntimeError.
+    """
+    check_live(state)
+    state.consumed = True
+    g, groups, used = state.group_size, state.ancestry.size(0), state.step
+    group_of = torch.div(new_order, g, rounding_mode="floor")  # (n',) old group
+    new_g = _group_size(group_of, g, state.rows, new_order.numel(), groups)
+    src = group_of.view(-1, new_g)[:, 0]  # (groups',) old group of each new group
+    same_groups = src.numel() == groups and bool(torch.equal(src, torch.arange(
+        groups, device=src.device)))
+    if same_groups:
+        cross_k, cross_v = state.cross_k, state.cross_v
+        padding_mask, cross_mask = state.padding_mask, state.cross_mask
+    else:
+        cross_k = [k.index_select(0, src) for k in state.cross_k]
+        cross_v = [v.index_select(0, src) for v in state.cross_v]
+        padding_mask = state.padding_mask.index_select(0, src)
+        cross_mask = (None if state.cross_mask is None
+                      else state.cross_mask.index_select(0, src))
+    cap = state.capacity
+    if new_g == g:  # slots stay in their group: permute the ancestry, move whole groups
+        ancestry = state.ancestry.view(-1, cap).index_select(0, new_order)
+        ancestry = ancestry.view(-1, g, cap)  # (groups', g, capacity)
+        self_k, self_v = state.self_k, state.self_v
+        free = state.free
+        if not same_groups:  # copy into free buffers; the old ones become free
+            self_k = [_take_groups(c, src, used, free) for c in self_k]
+            self_v = [_take_groups(c, src, used, free) for c in self_v]
+            free = _release(free, state.self_k + state.self_v)
+    else:  # new layout: every row's own history gathered into its own slot
+        free = state.free
+        self_k, self_v = _empty_caches(state.self_k, state.self_v, src.numel(), cap, new_g,
+                                       free)
+        if used:
+            slot_of = state.ancestry.view(-1, cap)[:, :used].index_select(0, new_order)
+            for old, new in zip(state.self_k + state.self_v, self_k + self_v, strict=True):
+                _gather_history(old, new, group_of, slot_of, new_g)
+        free = _release(free, state.self_k + state.self_v)
+        ancestry = torch.arange(new_g, device=new_order.device)  # (g',)
+        ancestry = ancestry.view(1, new_g, 1).expand(src.numel(), new_g, cap).clone()
+    attention = (None if state.attention is None
+                 else state.attention.index_select(0, new_order))
+    return DecoderState(cross_k=cross_k, cross_v=cross_v, padding_mask=padding_mask,
+                        cross_mask=cross_mask, self_k=self_k, self_v=self_v,
+                        ancestry=ancestry, group_size=new_g, step=used, free=free,
+                        attention_layer=state.attention_layer, attention=attention)
+
+
+def _empty_caches(like_k: list[Tensor], like_v: list[Tensor], groups: int, cap: int, g: int,
+                  free: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+    """Uninitialised self-attention buffers (groups, heads, cap, g, d) of every layer, with
+    the heads, d, dtype and device of the per-layer `like_k`/`like_v` tensors (heads in
+    dim 1, d last), taken from the `free` buffers where possible (every K before every V,
+    the order in which they are carved from `free`)."""
+
+    def empty(likes: list[Tensor]) -> list[Tensor]:
+        return [_alloc(free, (groups, like.size(1), cap, g, like.size(-1)), like)
+                for like in likes]  # each (groups, heads, cap, g, d)
+
+    return empty(like_k), empty(like_v)
+
+
+def _group_size(group_of: Tensor, g: int, rows: int, n_new: int, groups: int) -> int:
+    """Rows per group after a reorder whose new row j comes from old group group_of[j]:
+    k when g == 1 and the new rows are blocks of k copies (an expansion), g when every
+    block of g new rows stays within one old group, else 1."""
+    if g == 1 and n_new > rows and n_new % rows == 0:
+        candidate = n_new // rows
+    elif g > 1 and n_new % g == 0:
+        candidate = g
+    else:
+        return 1
+    blocks = group_of.view(-1, candidate)  # (groups', candidate)
+    return candidate if bool((blocks == blocks[:, :1]).all()) else 1
+
+
+def _take_groups(cache: Tensor, src: Tensor, used: int, free: list[Tensor]) -> Tensor:
+    """Groups `src` of a (groups, heads, capacity, g, d) cache, first `used` positions
+    copied (the rest is never read), into a buffer from `free` when one is large enough."""
+    new = _alloc(free, (src.numel(), *cache.shape[1:]), cache)  # (groups', heads, cap, g, d)
+    if used:
+        torch.index_select(cache[:, :, :used], 0, src, out=new[:, :, :used])  # no temporary
+    return new
+
+
+def _alloc(free: list[Tensor], shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """An uninitialised tensor of `shape`, dtype/device of `like`, carved from the smallest
+    large-enough buffer of `free` (removed from the list), else newly allocated."""
+    numel = math.prod(shape)
+    fits = [b for b in free if b.numel() >= numel and b.dtype == like.dtype
+            and b.device == like.device]
+    if not fits:
+        return like.new_empty(shape)
+    buffer = min(fits, key=Tensor.numel)
+    del free[next(i for i, b in enumerate(free) if b is buffer)]  # by identity, not ==
+    return buffer[:numel].view(shape)
+
+
+def _release(free: list[Tensor], tensors: list[Tensor]) -> list[Tensor]:
+    """`free` plus the whole flat storage of each of `tensors` (once each)."""
+    out = list(free)
+    seen = {b.data_ptr() for b in out}
+    for tensor in tensors:
+        base = tensor if tensor._base is None else tensor._base
+        flat = base.view(-1)  # (numel,)
+        if flat.data_ptr() not in seen:
+            seen.add(flat.data_ptr())
+            out.append(flat)
+    return out
+
+
+def _gather_history(old: Tensor, new: Tensor, group_of: Tensor, slot_of: Tensor,
+                    new_g: int) -> None:
+    """Write into `new` (groups', heads, cap, g', d) each new row's own key/value history
+    from `old` (groups, heads, cap, g, d): row j at position p reads old group
+    group_of[j], slot slot_of[j, p]; it lands in slot j % g' of group j // g'."""
+    used = slot_of.size(1)
+    positions = torch.arange(used, device=old.device)
+    # advanced indices around the heads slice: (n', used, heads, d)
+    picked = old[group_of[:, None], :, positions[None, :], slot_of]
+    picked = picked.view(-1, new_g, used, old.size(1), old.size(-1))  # (groups', g', used, h, d)
+    new[:, :, :used] = picked.permute(0, 3, 2, 1, 4)  # (groups', heads, used, g', d)

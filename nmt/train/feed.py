@@ -1,0 +1,98 @@
+"""The training data as a stream of updates, and each micro-batch ready on the device.
+
+An update is `update_freq` micro-batches per process: every rank takes its shard of the
+epoch's shuffled batch list (`epoch_order` + `shard`), the same on every rank and for a
+resumed run. `updates(start)` yields each update with the data position after it and
+changes nothing else, so the prefetcher may read one update ahead (the trainer adopts the
+position when it runs the update). `prepare` collates one micro-batch and puts it on the
+device: pinned and copied asynchronously on CUDA, with the flat indices of its real
+(non-PAD) target positions, so the model projects only those rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nmt.data.batching import Batch, collate, epoch_order, shard
+from nmt.data.dataset import ParallelData
+from nmt.train.distributed import DistEnv
+from nmt.train.loss import target_positions
+from nmt.train.sampling import EpochBatches
+from nmt.train.state import DataState
+
+
+@dataclass
+class Update:
+    """One update's micro-batches: this rank's, all ranks' (for the token counts), and the
+    data position after it."""
+
+    micro: list[np.ndarray]
+    all_batches: list[np.ndarray]
+    after: DataState
+
+
+@dataclass
+class Micro:
+    """A micro-batch on the device, ready for the forward pass."""
+
+    batch: Batch
+    has_pad: bool
+    select: torch.Tensor | None  # (n_real,) flat indices of real target positions
+    target: torch.Tensor  # gold ids of those positions (or all of tgt_out)
+
+
+class TrainFeed:
+    """Updates of one process, from any data position on."""
+
+    def __init__(self, data: ParallelData, batches: EpochBatches, env: DistEnv,
+                 update_freq: int, seed: int, max_epochs: int, device: torch.device) -> None:
+        self.data, self.batches, self.env = data, batches, env
+        self.update_freq, self.seed, self.max_epochs = update_freq, seed, max_epochs
+        self.device = device
+        self.src_cost = data.src.lengths + 1  # non-padding tokens incl. EOS, per pair
+        self.tgt_cost = data.tgt.lengths + 1
+        # The position after the last epoch, once `updates` has run through it.
+        self.epoch_end: DataState | None = None
+
+    def updates(self, start: DataState) -> Iterator[Update]:
+        """Each update from `start` on, until --max-epochs (forever without it)."""
+        world, rank, k = self.env.world_size, self.env.rank, self.update_freq
+        epoch, index = start.epoch, start.index
+        while not self.max_epochs or epoch <= self.max_epochs:
+            batches = self.batches.get(epoch).batches
+            order = epoch_order(len(batches), self.seed, epoch, world)
+            mine = shard(order, rank, world)
+            pos = index // world
+            while pos < len(mine):
+                group = mine[pos:pos + k]
+                global_ids = order[pos * world:(pos + len(group)) * world]
+                pos += len(group)
+                yield Update([batches[i] for i in group], [batches[i] for i in global_ids],
+                             DataState(epoch, pos * world))
+            epoch, index = epoch + 1, 0
+            # An epoch's end is a position too: a save there resumes at the next epoch.
+            self.epoch_end = DataState(epoch, 0)
+
+    def prepare(self, indices: np.ndarray) -> Micro:
+        """One micro-batch on the device (runs on the prefetch thread on CUDA). The real
+        target positions come from host-side lengths: no device sync."""
+        batch = collate([self.data.src[i] for i in indices],
+                        [self.data.tgt[i] for i in indices])
+        lens = self.src_cost[indices]
+        has_pad = bool(lens.min() != lens.max())
+        rows = target_positions(self.tgt_cost[indices], batch.tgt_out.size(1))
+        select = None if rows is None else torch.from_numpy(rows)  # (n_real,)
+        if self.device.type == "cuda":
+            batch.src, batch.tgt_in, batch.tgt_out = (t.pin_memory() for t in (
+                batch.src, batch.tgt_in, batch.tgt_out))
+            select = None if select is None else select.pin_memory()
+        batch = batch.to(self.device)
+        if select is None:
+            return Micro(batch, has_pad, None, batch.tgt_out)
+        select = select.to(self.device, non_blocking=True)
+        target = batch.tgt_out.reshape(-1).index_select(0, select)  # (n_real,)
+        return Micro(batch, has_pad, select, target)

@@ -1,0 +1,366 @@
+"""Incremental decoding (nmt/decoding.py, nmt/kv_cache.py) on tiny Transformers: the
+cache equals full re-decoding through expansion, reordering, growth and shrinking; search
+through the model adapter keeps the invariants (a sentence alone equals it inside a batch,
+incremental equals full re-decoding, lazy compaction equals eager); memory is handed on
+explicitly through a DecodingWorkspace."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_model import VOCAB, make_model, random_batch
+from test_translate_util import one_thread  # noqa: F401
+
+import nmt.search
+from nmt.config import model_preset
+from nmt.decoding import (
+    DecodingWorkspace,
+    ModelStepDecoder,
+    decode_step,
+    greedy_search,
+    init_state,
+)
+from nmt.errors import UsageError
+from nmt.kv_cache import INITIAL_CAPACITY, reorder_cache
+from nmt.model import Transformer
+from nmt.search import beam_search, max_output_lengths
+from nmt.special_ids import BOS_ID, EOS_ID, PAD_ID
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def incremental_logits(model: Transformer, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    state = init_state(model, model.encode(src))
+    steps = [decode_step(model, tgt[:, t], state) for t in range(tgt.size(1))]
+    return torch.stack(steps, dim=1)  # (batch, tgt_len, vocab)
+
+
+def lp(length: int, alpha: float) -> float:
+    return ((5 + length) / 6) ** alpha
+
+
+# --- The cache against full re-decoding ------------------------------------------------
+
+
+@torch.no_grad()
+def test_incremental_decoding_equals_full_decode_with_reorder_and_expand():
+    model = make_model(seed=1)
+    src = random_batch([7, 4, 5], seed=5)
+    tgt = random_batch([21, 21, 21], seed=6, bos=True)
+    assert tgt.size(1) > INITIAL_CAPACITY  # the cache grows
+    full = model(src, tgt)
+    torch.testing.assert_close(incremental_logits(model, src, tgt), full, rtol=1e-4, atol=1e-5)
+
+    # Expand B -> B*beam, then reorder now and then: across sentences (at step 3), within
+    # each sentence's beam (steps 10-12: cross-attention K/V kept, cache buffers reused
+    # ping-pong), and a shrink to fewer rows after the cache has grown (step 18). Every row
+    # must keep matching the full decode of the sentence and prefix it now holds.
+    beam = 2
+    expand = torch.arange(3).repeat_interleave(beam)  # rows 0 0 1 1 2 2
+    state = reorder_cache(init_state(model, model.encode(src)), expand)
+    source_of_row = expand
+    reorders = {3: torch.tensor([1, 0, 5, 4, 2, 3]), 10: torch.tensor([1, 1, 2, 3, 5, 5]),
+                11: torch.tensor([1, 0, 3, 2, 5, 4]), 12: torch.tensor([0, 0, 2, 2, 4, 4]),
+                18: torch.tensor([4, 0, 2])}
+    for t in range(tgt.size(1)):
+        if t in reorders:
+            state = reorder_cache(state, reorders[t])
+            source_of_row = source_of_row.index_select(0, reorders[t])
+        logits = decode_step(model, tgt.index_select(0, source_of_row)[:, t], state)
+        torch.testing.assert_close(logits, full.index_select(0, source_of_row)[:, t],
+                                   rtol=1e-4, atol=1e-5)
+    assert state.step == tgt.size(1) and len(source_of_row) == 3
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("variant", [{}, {"pre_norm": True}, {"learned_positions": True},
+                                     {"d_k": 8, "d_v": 24}])
+def test_incremental_equals_full_decode_for_every_variant(variant: dict) -> None:
+    model = make_model(seed=3, **variant)
+    src = random_batch([5, 3], seed=11)
+    tgt = random_batch([4, 2], seed=12, bos=True)
+    torch.testing.assert_close(incremental_logits(model, src, tgt), model(src, tgt),
+                               rtol=1e-4, atol=1e-5)
+
+
+@torch.no_grad()
+def test_need_attention_stores_cross_attention_without_changing_logits():
+    model = make_model(seed=2)
+    src = random_batch([6, 3], seed=7)
+    tgt = random_batch([4, 4], seed=8, bos=True)
+    enc = model.encode(src)
+    plain, probe = init_state(model, enc), init_state(model, enc, attention_layer=0)
+    for t in range(tgt.size(1)):
+        expected = decode_step(model, tgt[:, t], plain)
+        got = decode_step(model, tgt[:, t], probe, need_attention=True)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        attn = probe.attention
+        assert attn is not None and attn.shape == (2, model.cfg.heads, src.size(1))
+        torch.testing.assert_close(attn.sum(-1), torch.ones(2, model.cfg.heads))
+        assert torch.all(attn[1, :, 3:] == 0)  # padding gets no attention
+    assert plain.attention is None
+
+
+def test_step_under_autocast_is_finite():
+    model = make_model()
+    src = random_batch([6, 4], seed=15)
+    tgt = random_batch([5, 3], seed=16, bos=True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        step = decode_step(model, tgt[:, 0], init_state(model, model.encode(src)))
+    assert torch.isfinite(step).all()
+
+
+def test_too_long_target_raises_usage_error():
+    model = make_model(max_positions=8)
+    state = init_state(model, model.encode(random_batch([4], seed=18)))
+    state.step = 8
+    with pytest.raises(UsageError, match="max_positions"):
+        decode_step(model, torch.tensor([BOS_ID]), state)
+
+
+@torch.no_grad()
+def test_reorder_consumes_the_old_state():
+    model = make_model()
+    state = init_state(model, model.encode(random_batch([4, 3], seed=23)))
+    new = reorder_cache(state, torch.tensor([1, 0]))
+    with pytest.raises(RuntimeError, match="consumed"):
+        decode_step(model, torch.tensor([BOS_ID, BOS_ID]), state)
+    with pytest.raises(RuntimeError, match="consumed"):
+        reorder_cache(state, torch.tensor([0, 1]))
+    assert decode_step(model, torch.tensor([BOS_ID, BOS_ID]), new).shape == (2, VOCAB)
+
+
+# --- Search invariants on a real (tiny, random-init, sharpened) Transformer ----------
+
+
+def tiny_model(seed: int = 0, vocab: int = 40) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(model_preset("tiny", vocab_size=vocab, max_positions=64)).eval()
+    with torch.no_grad():
+        model.embed.weight.mul_(4.0)  # decisive, input-dependent outputs
+    return model
+
+
+def padded(sources: list[list[int]]) -> torch.Tensor:
+    src = torch.full((len(sources), max(map(len, sources)) + 1), PAD_ID)
+    for i, ids in enumerate(sources):
+        src[i, : len(ids) + 1] = torch.tensor([*ids, EOS_ID])
+    return src  # (batch, src_len)
+
+
+SOURCES = [[5, 9, 11, 7, 30, 12, 8], [17], [6, 6, 21, 33], [4, 39, 25, 10, 13, 18, 27, 22, 9]]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("alpha", [0.0, 0.6])
+def test_model_sentence_alone_equals_inside_batch(alpha: float) -> None:
+    model = tiny_model()
+    src = padded(SOURCES)
+    max_lens = max_output_lengths(src, 1.0, 3, cap=63)
+    batch = beam_search(ModelStepDecoder(model, src), max_lens, beam=4, alpha=alpha, nbest=2,
+                        min_len=1)
+    assert len({tuple(h[0].tokens) for h in batch}) > 1  # outputs depend on the input
+    for i, ids in enumerate(SOURCES):
+        one = padded([ids])
+        alone = beam_search(ModelStepDecoder(model, one), max_output_lengths(one, 1.0, 3),
+                            beam=4, alpha=alpha, nbest=2, min_len=1)[0]
+        assert [h.tokens for h in alone] == [h.tokens for h in batch[i]]
+        for x, y in zip(alone, batch[i], strict=True):
+            assert x.score == pytest.approx(y.score, abs=1e-4)
+
+
+@torch.no_grad()
+def test_model_incremental_equals_full_redecoding() -> None:
+    """Scores from the KV-cached search equal teacher-forced re-decoding of the output."""
+    model = tiny_model(seed=3)
+    src = padded(SOURCES)
+    hyps = beam_search(ModelStepDecoder(model, src), max_output_lengths(src, 1.0, 5),
+                       beam=3, alpha=0.6, nbest=3, min_len=1)
+    enc = model.encode(src)
+    for i, sent in enumerate(hyps):
+        for h in sent:
+            tgt_in = torch.tensor([[BOS_ID, *h.tokens]])  # (1, T)
+            one = type(enc)(states=enc.states[i : i + 1],
+                            padding_mask=enc.padding_mask[i : i + 1])
+            logp = torch.log_softmax(model.decode(tgt_in, one).float(), dim=-1)[0]  # (T, V)
+            gold = torch.tensor([*h.tokens, EOS_ID])
+            full = logp.gather(1, gold.unsqueeze(1)).sum().item()
+            assert h.log_prob == pytest.approx(full, abs=1e-4)
+            assert h.score == pytest.approx(full / lp(len(h.tokens) + 1, 0.6), abs=1e-4)
+    # Greedy on the cache equals step-by-step argmax of full re-decoding.
+    greedy = greedy_search(model, src, 1.0, 5)
+    for i, tokens in enumerate(greedy):
+        one = type(enc)(states=enc.states[i : i + 1], padding_mask=enc.padding_mask[i : i + 1])
+        prefix = [BOS_ID]
+        limit = int(max_output_lengths(src[i : i + 1], 1.0, 5))
+        while len(prefix) <= limit:
+            logits = model.decode(torch.tensor([prefix]), one)[0, -1].float()
+            logits[[PAD_ID, BOS_ID]] = -math.inf
+            nxt = int(logits.argmax())
+            if nxt == EOS_ID:
+                break
+            prefix.append(nxt)
+        assert tokens == prefix[1:]
+
+
+@torch.no_grad()
+def test_beam_cache_is_grouped_per_sentence_and_reorders_without_copies() -> None:
+    """Performance layout: encoder K/V once per sentence, step 0 computed once per sentence,
+    and beam reordering moves no key/value (only the ancestry table), yet the search
+    result equals that of a decoder that re-decodes every prefix in full."""
+    model = tiny_model(seed=5)
+    src = padded(SOURCES)
+    beam = 3
+    dec = ModelStepDecoder(model, src)
+    sizes: list[int] = []
+    step, reorder = dec.step, dec.reorder
+    buffers: list[tuple[int, int, int]] = []  # (rows before, rows after, buffer kept?)
+
+    def counting_step(tokens: torch.Tensor) -> torch.Tensor:
+        sizes.append(tokens.numel())
+        return step(tokens)
+
+    def tracking_reorder(new_order: torch.Tensor) -> None:
+        before, ptr = dec.state.rows, dec.state.self_k[0].data_ptr()
+        reorder(new_order)
+        buffers.append((before, dec.state.rows, int(dec.state.self_k[0].data_ptr() == ptr)))
+
+    dec.step, dec.reorder = counting_step, tracking_reorder  # type: ignore[method-assign]
+    max_lens = max_output_lengths(src, 1.0, 4)
+    hyps = beam_search(dec, max_lens, beam=beam, alpha=0.6, nbest=beam, min_len=1)
+    assert sizes[0] == len(SOURCES) and sizes[1] == len(SOURCES) * beam
+    assert dec.state.group_size == beam
+    assert dec.state.cross_k[0].size(0) == dec.state.rows // beam  # one copy per sentence
+    within = [kept for before, after, kept in buffers[1:] if before == after]
+    assert within and all(within)  # same-size reorders reuse the very same K/V buffers
+    assert any(after < before for before, after, _ in buffers)  # finished sentences left
+
+    class FullRedecoder:
+        """Reference StepDecoder: re-decodes each row's whole prefix, no cache at all."""
+
+        def __init__(self) -> None:
+            self.enc = model.encode(src)
+            self.rows = torch.arange(len(SOURCES))
+            self.prefix = torch.full((len(SOURCES), 0), BOS_ID)
+
+        def step(self, tokens: torch.Tensor) -> torch.Tensor:
+            self.prefix = torch.cat([self.prefix, tokens[:, None]], dim=1)  # (N, t+1)
+            enc = type(self.enc)(states=self.enc.states[self.rows],
+                                 padding_mask=self.enc.padding_mask[self.rows])
+            logits = model.decode(self.prefix, enc)[:, -1].float()  # (N, V)
+            return torch.log_softmax(logits, dim=-1)
+
+        def reorder(self, new_order: torch.Tensor) -> None:
+            self.rows, self.prefix = self.rows[new_order], self.prefix[new_order]
+
+    reference = beam_search(FullRedecoder(), max_lens, beam=beam, alpha=0.6, nbest=beam,
+                            min_len=1)
+    for got, want in zip(hyps, reference, strict=True):
+        assert [h.tokens for h in got] == [h.tokens for h in want]
+        for x, y in zip(got, want, strict=True):
+            assert x.score == pytest.approx(y.score, abs=1e-4)
+
+
+@torch.no_grad()
+def test_model_step_rows_equals_full_step_on_those_rows() -> None:
+    """Leaving finished rows out of a step (`step_rows`) changes nothing for the others."""
+    model = tiny_model(seed=7)
+    src = padded(SOURCES)
+    beam = 3
+    full, part = ModelStepDecoder(model, src), ModelStepDecoder(model, src)
+    expand = torch.arange(len(SOURCES)).repeat_interleave(beam)
+    live = torch.tensor([0, 1, 2, 6, 7, 8])  # sentences 0 and 2; 1 and 3 finished
+    gen = torch.Generator().manual_seed(0)
+    for t in range(6):
+        tokens = torch.randint(4, 40, (len(SOURCES) * (1 if t == 0 else beam),), generator=gen)
+        want = full.step(tokens).clone()  # (rows, V)
+        if t <= 1:
+            got = part.step(tokens)
+        else:
+            got = part.step_rows(tokens[live], live, len(SOURCES) * beam)  # (6, V)
+            want = want[live]
+        assert torch.allclose(got, want, atol=1e-5)
+        order = expand if t == 0 else torch.randperm(beam, generator=gen).repeat(
+            len(SOURCES)) + torch.arange(len(SOURCES)).repeat_interleave(beam) * beam
+        full.reorder(order)
+        part.reorder(order)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("alpha", [0.0, 0.6])
+def test_lazy_compaction_equals_eager(alpha: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keeping finished sentences in the decoder until compaction is exact: compacting at
+    every finish, at 25 % and never give identical hypotheses and scores."""
+    model = tiny_model(seed=11)
+    sources = SOURCES + [[7, 7, 8], [30, 31], [12, 13, 14, 15, 16]]
+    src = padded(sources)
+    max_lens = max_output_lengths(src, 1.0, 4, cap=63)
+    results = []
+    for compact_at in (0.0, 0.25, 1.0):
+        monkeypatch.setattr(nmt.search, "COMPACT_AT", compact_at)
+        hyps = beam_search(ModelStepDecoder(model, src), max_lens, beam=4, alpha=alpha,
+                           nbest=2, min_len=1)
+        results.append([[(h.tokens, h.score, h.log_prob) for h in sent] for sent in hyps])
+    assert results[0] == results[1] == results[2]
+    assert len({tuple(r[0][0]) for r in results[0]}) > 1
+
+
+# --- Explicit memory lifetime: DecodingWorkspace -----------------------------------------
+
+
+def base_of(tensor: torch.Tensor) -> int:
+    """Address of the storage a cache view was carved from."""
+    return (tensor if tensor._base is None else tensor._base).data_ptr()
+
+
+@torch.no_grad()
+def test_workspace_hands_memory_to_the_next_decoder() -> None:
+    """A closed decoder leaves its cache and logits memory to the workspace's next one,
+    which decodes exactly as a fresh one would; a second live decoder never shares it."""
+    model = tiny_model(seed=2)
+    src = padded(SOURCES)
+    max_lens = max_output_lengths(src, 1.0, 4, cap=63)
+    settings = {"beam": 4, "alpha": 0.6, "nbest": 1, "min_len": 1}
+    workspace = DecodingWorkspace(model)
+    assert workspace.projection is None  # nothing packed: the plain output matmul
+    with workspace.decoder(src) as first_decoder:
+        first = beam_search(first_decoder, max_lens, **settings)
+        logits = first_decoder._logits
+    pooled = {b.data_ptr() for b in workspace._buffers}
+    assert pooled and workspace._logits is logits  # given back on leaving the block
+    with workspace.decoder(src) as dec:
+        assert not workspace._buffers  # lent out: a second live decoder allocates anew
+        with workspace.decoder(src) as other:
+            assert other._lent == [] and other._logits is None
+        second = beam_search(dec, max_lens, **settings)
+        assert base_of(dec.state.self_k[0]) in pooled
+        assert dec._logits is logits
+    with pytest.raises(RuntimeError, match="consumed"):
+        dec.step(torch.full((dec.state.rows,), BOS_ID))  # closed: it cannot step
+    dec.close()  # idempotent
+    fresh = beam_search(ModelStepDecoder(model, src), max_lens, **settings)
+    as_tuples = [[(h.tokens, h.score, h.log_prob) for h in s] for s in first]
+    assert as_tuples == [[(h.tokens, h.score, h.log_prob) for h in s] for s in second]
+    assert as_tuples == [[(h.tokens, h.score, h.log_prob) for h in s] for s in fresh]
+
+
+@torch.no_grad()
+def test_decoder_closed_on_error_still_returns_memory() -> None:
+    model = tiny_model(seed=4)
+    workspace = DecodingWorkspace(model)
+    with pytest.raises(ValueError, match="nbest"), workspace.decoder(padded(SOURCES)) as dec:
+        beam_search(dec, torch.tensor([3, 3, 3, 3]), beam=2, alpha=0.0, nbest=3, min_len=1)
+    assert workspace._buffers  # the cache went back although the search failed
+
+
+@torch.no_grad()
+def test_greedy_search_takes_its_defaults_from_decode_config() -> None:
+    from nmt.config import DecodeConfig
+
+    model = tiny_model(seed=6)
+    src = padded(SOURCES)
+    defaults = DecodeConfig()
+    assert greedy_search(model, src) == greedy_search(
+        model, src, defaults.max_len_a, defaults.max_len_b, defaults.min_len)

@@ -1,0 +1,176 @@
+"""int8 linears for CPU inference: close to F.linear, and a trained model translates as well
+in int8 as in fp32, one line per line, in order."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import sacrebleu
+import torch
+import torch.nn.functional as F
+from test_translate_util import one_thread  # noqa: F401
+from torch import nn
+
+from nmt import int8_linear
+from nmt.config import DecodeConfig, TrainConfig, model_preset
+from nmt.errors import UsageError
+from nmt.int8_linear import (
+    Int8Linear,
+    available,
+    output_projection,
+    quantize_for_inference,
+    quantize_weight,
+)
+from nmt.model import Transformer
+from nmt.packed_linear import PackedLinear
+from nmt.translate import Translator, translate_stream
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+needs_int8 = pytest.mark.skipif(not available(),
+                                reason="this torch/CPU has no working int8 linear kernel")
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def test_weight_quantization_is_per_channel_and_symmetric() -> None:
+    weight = torch.tensor([[1.0, -0.5, 0.25], [0.0, 0.0, 0.0], [-100.0, 50.0, 1.0]])
+    q, scale = quantize_weight(weight)
+    assert q.dtype == torch.int8 and scale.shape == (3,)
+    assert q[0].tolist() == [127, -64, 32] and q[1].tolist() == [0, 0, 0]
+    assert q[2, 0] == -127 and scale[1] == 1.0  # an all-zero row keeps a finite scale
+    torch.testing.assert_close(q.float() * scale[:, None], weight, atol=0.4, rtol=0.01)
+
+
+@needs_int8
+@pytest.mark.parametrize("shape", [(7, 64), (3, 5, 64), (1, 1, 64), (600, 1, 64)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_linear_is_close_to_f_linear(shape: tuple[int, ...], bias: bool) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 300, bias=bias)
+    x = torch.randn(*shape)
+    layer = Int8Linear(linear.weight, linear.bias)
+    with torch.inference_mode():
+        got, want = layer(x), F.linear(x, linear.weight, linear.bias)
+    assert got.shape == want.shape == (*shape[:-1], 300) and got.dtype == torch.float32
+    assert relative_error(got, want) < 0.03  # 600 rows x 300: the oneDNN kernel
+    with torch.no_grad():
+        linear.weight.zero_()  # a snapshot: later changes do not reach it
+    assert relative_error(layer(x), want) < 0.03
+
+
+@needs_int8
+@pytest.mark.parametrize("kernel", int8_linear.KERNELS)
+def test_each_kernel_alone(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not int8_linear.kernel_works(kernel):
+        pytest.skip(f"{kernel} int8 kernel unavailable here")
+    monkeypatch.setenv("NMT_INT8_KERNEL", kernel)
+    torch.manual_seed(1)
+    linear = nn.Linear(32, 48)
+    layer = Int8Linear(linear.weight, linear.bias)
+    assert list(layer.packed) == [kernel]
+    for rows in (2, 4000):  # both sides of the size threshold run the forced kernel
+        x = torch.randn(rows, 32)
+        assert relative_error(layer(x), linear(x).detach()) < 0.03
+
+
+@needs_int8
+def test_quantized_model_is_close_and_keeps_its_embedding() -> None:
+    torch.manual_seed(0)
+    plain = Transformer(model_preset("tiny", vocab_size=80)).eval()
+    model = Transformer(model_preset("tiny", vocab_size=80)).eval()
+    model.load_state_dict(plain.state_dict())
+    n_linear = sum(type(m) is nn.Linear for m in model.modules())
+    assert quantize_for_inference(model) == n_linear
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert isinstance(output_projection(model.output_weight), Int8Linear)
+    assert set(model.state_dict()) <= set(plain.state_dict())
+    src = torch.randint(4, 80, (3, 9))
+    with torch.inference_mode():
+        want = torch.log_softmax(plain(src, src), -1)
+        got = torch.log_softmax(model(src, src), -1)
+    assert float((got.exp() - want.exp()).abs().max()) < 0.02  # probabilities
+
+
+def test_nothing_quantized_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    bf16 = Transformer(model_preset("tiny", vocab_size=40)).to(torch.bfloat16)
+    assert quantize_for_inference(bf16) == 0
+    int8_linear.kernel_works.cache_clear()
+    monkeypatch.setattr(int8_linear, "_apply", lambda *_: (_ for _ in ()).throw(
+        RuntimeError("no int8 kernel here")))
+    try:
+        assert not available()
+        model = Transformer(model_preset("tiny", vocab_size=40))
+        assert quantize_for_inference(model) == 0
+        assert any(type(m) is nn.Linear for m in model.modules())
+    finally:
+        monkeypatch.undo()
+        int8_linear.kernel_works.cache_clear()
+
+
+@needs_int8
+def test_output_projection_can_stay_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NMT_INT8_OUTPUT", "0")
+    model = Transformer(model_preset("tiny", vocab_size=40)).eval()
+    projection = output_projection(model.output_weight)
+    assert isinstance(projection, PackedLinear | type(None))
+    assert not isinstance(projection, Int8Linear)
+
+
+def test_int8_on_cuda_is_a_usage_error() -> None:
+    from nmt.precision import resolve_precision
+
+    with pytest.raises(UsageError, match="int8 is for CPUs"):
+        resolve_precision("int8", torch.device("cuda"))
+    assert resolve_precision("int8", torch.device("cpu")) == "int8"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """A tiny model trained on a copy task (a real, decisive model)."""
+    from test_train_fixtures import make_copy_data, train_one_thread
+
+    work = tmp_path_factory.mktemp("int8")
+    data = make_copy_data(work / "data", n_train=1500, n_valid=120, max_len=8)
+    cfg = TrainConfig(max_updates=600, max_tokens=1024, warmup=150, lr_scale=2.0,
+                      max_len=64, log_interval=100, valid_interval=10_000,
+                      save_interval_minutes=0, seed=1)
+    checkpoint = train_one_thread(data, work / "run", model_preset("tiny", dropout=0.0), cfg)
+    sources = (data / "valid.src").read_text().splitlines()
+    refs = (data / "valid.tgt").read_text().splitlines()
+    return checkpoint, sources, refs
+
+
+def stream(checkpoint: object, precision: str, lines: list[str]) -> list[str]:
+    translator = Translator.load([checkpoint], DecodeConfig(beam=4, max_len_b=12,
+                                                            max_tokens=200),
+                                 device="cpu", precision=precision)
+    sink = io.BytesIO()
+    translate_stream(io.BytesIO(("\n".join(lines) + "\n").encode()), sink, translator)
+    return sink.getvalue().decode("utf-8").split("\n")[:-1]
+
+
+@needs_int8
+@pytest.mark.slow
+def test_int8_translates_a_trained_model_like_fp32(trained: tuple) -> None:
+    checkpoint, sources, refs = trained
+    # Empty lines in between: they must come back empty, in place.
+    lines = [line for i, s in enumerate(sources) for line in ((s, "") if i % 7 == 0 else (s,))]
+    fp32 = stream(checkpoint, "fp32", lines)
+    int8 = stream(checkpoint, "int8", lines)
+    loaded = Translator.load([checkpoint], DecodeConfig(), device="cpu", precision="int8")
+    assert isinstance(loaded.workspaces[0].projection, Int8Linear)  # the vocabulary too
+    assert len(int8) == len(lines) == len(fp32)
+    assert [i for i, out in enumerate(int8) if not out] == \
+        [i for i, line in enumerate(lines) if not line]
+    hyps_fp32 = [out for out, line in zip(fp32, lines, strict=True) if line]
+    hyps_int8 = [out for out, line in zip(int8, lines, strict=True) if line]
+    bleu_fp32 = sacrebleu.corpus_bleu(hyps_fp32, [refs]).score
+    bleu_int8 = sacrebleu.corpus_bleu(hyps_int8, [refs]).score
+    assert bleu_fp32 > 60, f"the fixture model did not learn (BLEU {bleu_fp32:.1f})"
+    assert abs(bleu_int8 - bleu_fp32) <= 2.0, (bleu_int8, bleu_fp32)
+    same = sum(a == b for a, b in zip(hyps_int8, hyps_fp32, strict=True)) / len(hyps_fp32)
+    assert same >= 0.9  # in order: a shifted line would break the agreement

@@ -1,0 +1,59 @@
+"""A wheel built from this tree ships the recipes: `nmt prep --list` works from an install
+with no source tree beside it (issue 17). Offline: no build isolation, no dependencies
+fetched; the new environment borrows torch & co. from the running one through a .pth file."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+from nmt.recipes import recipe_names
+
+_SKIP = shutil.ignore_patterns("__pycache__", "*.egg-info", "*.pyc")
+
+
+def _run(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "NMT_MIRROR")}
+    return subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_wheel_ships_the_recipes(tmp_path: Path) -> None:
+    src = tmp_path / "src"  # a copy, so the build writes nothing into the checkout
+    for name in ("nmt", "cli", "recipes"):
+        shutil.copytree(REPO / name, src / name, ignore=_SKIP)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, src / name)
+    build = _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                 "--no-index", "-w", tmp_path / "dist", src, cwd=tmp_path)
+    assert build.returncode == 0, build.stderr
+    (wheel,) = (tmp_path / "dist").glob("nmt-*.whl")
+
+    venv = tmp_path / "venv"
+    made = _run(sys.executable, "-m", "venv", "--without-pip", venv, cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    python = venv / "bin" / "python"
+    install = _run(sys.executable, "-m", "pip", "--python", python, "install", "--no-deps",
+                   "--no-index", wheel, cwd=tmp_path)
+    assert install.returncode == 0, install.stderr
+    site = Path(_run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+                     cwd=tmp_path).stdout.strip())
+    # Dependencies (torch, typer, ...) from the running environment, after the wheel's own.
+    (site / "borrowed-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+
+    where = _run(python, "-c", "import nmt, recipes; print(nmt.__file__); "
+                 "print(recipes.__file__)", cwd=tmp_path)
+    assert where.returncode == 0, where.stderr
+    assert all(line.startswith(str(site)) for line in where.stdout.split()), where.stdout
+    listed = _run(venv / "bin" / "nmt", "prep", "--list", cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    assert [line.split("\t")[0] for line in listed.stdout.splitlines()] == recipe_names()
+    assert len(recipe_names()) >= 3
