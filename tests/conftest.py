@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 # Real data sits beside the project, never inside it (see ../shared/data/README.md).
@@ -31,3 +34,22 @@ def multi30k_dir() -> Path:
 def wmt14_dir() -> Path:
     """../shared/data/wmt14: newstest2013/2014 plain text and the 2014 SGML."""
     return shared_data_path("wmt14")
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to `n` inside the block, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture
+def one_thread():
+    """Run a test with one torch thread (its subprocesses run with one too, and on a small
+    shared CPU two contending threads are many times slower than one)."""
+    with torch_threads(1):
+        yield

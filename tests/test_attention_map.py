@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_translate_util import cli_nmt, make_checkpoint, make_vocab, one_thread  # noqa: F401
+from test_translate_util import cli_nmt, make_checkpoint, make_vocab
 
 from nmt.attention_map import attention_maps, piece_labels, resolve_layer
 from nmt.checkpoint import load_model

@@ -10,7 +10,6 @@ from test_translate_util import (
     cli_nmt,
     make_checkpoint,
     make_vocab,
-    one_thread,  # noqa: F401
 )
 
 from nmt.average import average_state_dicts, last_checkpoints

@@ -11,7 +11,6 @@ import math
 import pytest
 import torch
 from test_model import VOCAB, make_model, random_batch
-from test_translate_util import one_thread  # noqa: F401
 
 import nmt.search
 from nmt.config import model_preset

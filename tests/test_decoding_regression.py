@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from test_translate_util import make_vocab, one_thread  # noqa: F401
+from test_translate_util import make_vocab
 
 from nmt.checkpoint import FORMAT, save_checkpoint
 from nmt.config import DecodeConfig, model_preset

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_translate_util import cli_nmt, make_checkpoint, make_vocab, one_thread  # noqa: F401
+from test_translate_util import cli_nmt, make_checkpoint, make_vocab
 
 from nmt.checkpoint import load_model
 from nmt.vocab import BOS_ID, EOS_ID

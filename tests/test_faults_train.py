@@ -45,14 +45,6 @@ def m30k(tmp_path_factory) -> Path:
     return write_text_data(tmp_path_factory.mktemp("m30k") / "data", splits, vocab_size=400)
 
 
-@pytest.fixture
-def one_thread():
-    """The subprocesses run with one thread; the in-process runs must match them exactly."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}

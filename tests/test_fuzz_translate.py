@@ -15,7 +15,6 @@ import pytest
 from test_translate_util import (
     make_checkpoint,
     make_vocab,
-    one_thread,  # noqa: F401
     run_nmt,
 )
 

@@ -15,7 +15,6 @@ from test_translate_util import (
     cli_nmt,
     make_checkpoint,
     make_vocab,
-    one_thread,  # noqa: F401
     run_nmt,
 )
 

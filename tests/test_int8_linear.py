@@ -9,7 +9,6 @@ import pytest
 import sacrebleu
 import torch
 import torch.nn.functional as F
-from test_translate_util import one_thread  # noqa: F401
 from torch import nn
 
 from nmt import int8_linear

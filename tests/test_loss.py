@@ -100,9 +100,10 @@ def test_target_positions_pick_real_tokens_of_right_padded_rows():
     assert int(tgt.ne(0).sum()) == rows.size
 
 
-def test_projecting_only_real_targets_gives_the_full_loss_and_gradients():
-    """The loop's path (model(select=...) + fused loss on real rows) equals the plain one
-    (all positions projected, log_softmax reference ignoring PAD): loss and every grad."""
+def tiny_model_batch() -> tuple:
+    """A tiny fp64 Transformer (vocab 50, no dropout) and a padded batch of 3 pairs (PAD 0):
+    model, src (3, 6), tgt_in and tgt_out (3, 5), and `select`, the flat positions of the
+    real target tokens."""
     from nmt.config import model_preset
     from nmt.model import Transformer
 
@@ -116,7 +117,13 @@ def test_projecting_only_real_targets_gives_the_full_loss_and_gradients():
     for row, n in enumerate(lengths):
         tgt_in[row, n:] = 0
         tgt_out[row, n:] = 0
-    select = torch.from_numpy(target_positions(lengths, 5))
+    return model, src, tgt_in, tgt_out, torch.from_numpy(target_positions(lengths, 5))
+
+
+def test_projecting_only_real_targets_gives_the_full_loss_and_gradients():
+    """The loop's path (model(select=...) + fused loss on real rows) equals the plain one
+    (all positions projected, log_softmax reference ignoring PAD): loss and every grad."""
+    model, src, tgt_in, tgt_out, select = tiny_model_batch()
     loss, _ = label_smoothed_nll(model(src, tgt_in, select=select),
                                  tgt_out.reshape(-1)[select], 0.1, 0)
     loss.backward()

@@ -10,6 +10,7 @@ import math
 import pytest
 import sentencepiece as spm
 import torch
+from conftest import torch_threads
 
 from nmt.checkpoint import FORMAT, load_model, save_checkpoint
 from nmt.config import model_preset
@@ -25,10 +26,8 @@ VOCAB = 50
 def one_thread():
     """Tiny matmuls gain nothing from threads, and on a busy shared CPU OpenMP workers
     waiting for each other make them many times slower; restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 def make_model(seed: int = 0, **overrides: object) -> Transformer:

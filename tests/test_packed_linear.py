@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_translate_util import one_thread  # noqa: F401
 from torch import nn
 
 from nmt import packed_linear

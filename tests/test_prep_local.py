@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
+from test_prep_faults import _assert_one_line
 
 from nmt.data.dataset import CorpusRange, corpus_ranges
 from nmt.errors import DataError, UsageError
@@ -161,34 +162,25 @@ def test_wmt_xml_test_set(tmp_path, files, multi30k_dir, wmt14_dir):
     assert (tmp_path / "out" / "test.tgt").read_text("utf-8").splitlines() == ref
 
 
-def _one_error_line(run, code, *words):
-    assert run.returncode == code, run.stderr
-    lines = run.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("nmt prep: error: "), run.stderr
-    for word in words:
-        assert word in lines[0], (word, lines[0])
-    assert "Traceback" not in run.stderr and run.stdout == ""
-
-
 def test_bad_local_inputs_are_one_line_errors(tmp_path, files, multi30k_dir):
     out = tmp_path / "out"
     (files / "short.de").write_text("Nur eine Zeile.\n", "utf-8")
-    _one_error_line(_nmt_prep(*_args(files, multi30k_dir, f"{files}/a.en,{files}/short.de"),
+    _assert_one_line(_nmt_prep(*_args(files, multi30k_dir, f"{files}/a.en,{files}/short.de"),
                               "-o", out), 3, "a.en has 600 lines", "short.de has 1",
                     "not parallel")
     assert not out.exists()
-    _one_error_line(_nmt_prep(*_args(files, multi30k_dir, f"{files}/nope.en,{files}/a.de"),
+    _assert_one_line(_nmt_prep(*_args(files, multi30k_dir, f"{files}/nope.en,{files}/a.de"),
                               "-o", out), 3, "nope.en: no such file")
-    _one_error_line(_nmt_prep(*_args(files, multi30k_dir, f"{files}/a.en,{files}/a.de:2",
+    _assert_one_line(_nmt_prep(*_args(files, multi30k_dir, f"{files}/a.en,{files}/a.de:2",
                                      f"{files}/b.en,{files}/b.de"), "-o", out),
                     2, "give every --train a weight")
-    _one_error_line(_nmt_prep(*_args(files, multi30k_dir, f"{files}/a.en"), "-o", out),
+    _assert_one_line(_nmt_prep(*_args(files, multi30k_dir, f"{files}/a.en"), "-o", out),
                     2, "--train", "SRC,TGT")
-    _one_error_line(_nmt_prep("multi30k-en-de", "--train", f"{files}/a.en,{files}/a.de"),
+    _assert_one_line(_nmt_prep("multi30k-en-de", "--train", f"{files}/a.en,{files}/a.de"),
                     2, "--train describes local files", "not both")
-    _one_error_line(_nmt_prep("--src-lang", "en", "--train", f"{files}/a.en,{files}/a.de"),
+    _assert_one_line(_nmt_prep("--src-lang", "en", "--train", f"{files}/a.en,{files}/a.de"),
                     2, "need --tgt-lang")
-    _one_error_line(_nmt_prep(*_args(files, multi30k_dir), "--src-lang", "e n", "-o", out),
+    _assert_one_line(_nmt_prep(*_args(files, multi30k_dir), "--src-lang", "e n", "-o", out),
                     2, "--src-lang 'e n'")
     assert not out.exists()
     # A valid/test split keeps strict reading: a misaligned dev set is refused as well.

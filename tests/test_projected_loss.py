@@ -5,14 +5,14 @@ not divide the rows, padding masked, and random shapes (hypothesis)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_loss import tiny_model_batch
 
-from nmt.train.loss import label_smoothed_nll, projected_smoothed_loss, target_positions
+from nmt.train.loss import label_smoothed_nll, projected_smoothed_loss
 
 PAD = 0
 
@@ -188,20 +188,7 @@ def test_model_features_path_equals_the_logits_path():
     """What the loop would run (decoder features of the real target rows + the shared
     matrix into the chunked loss) equals today's (`model(select=...)` + reference loss):
     loss and every parameter's gradient, fp64."""
-    from nmt.config import model_preset
-    from nmt.model import Transformer
-
-    torch.manual_seed(0)
-    model = Transformer(model_preset("tiny", vocab_size=50, dropout=0.0)).double()
-    lengths = np.array([5, 2, 4])
-    src = torch.randint(4, 50, (3, 6))
-    src[1, 3:] = 0
-    tgt_in = torch.randint(4, 50, (3, 5))
-    tgt_out = torch.randint(4, 50, (3, 5))
-    for row, n in enumerate(lengths):
-        tgt_in[row, n:] = 0
-        tgt_out[row, n:] = 0
-    select = torch.from_numpy(target_positions(lengths, 5))
+    model, src, tgt_in, tgt_out, select = tiny_model_batch()
     target = tgt_out.reshape(-1)[select]
     ref, _ = label_smoothed_nll(model(src, tgt_in, select=select), target, 0.1, PAD)
     ref.backward()

@@ -10,7 +10,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_translate_util import one_thread  # noqa: F401
 
 from nmt.config import DecodeConfig
 from nmt.search import (

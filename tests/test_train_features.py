@@ -70,13 +70,6 @@ def _cli_flags(cfg: TrainConfig) -> list[str]:
     return flags
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.mark.slow
 def test_patience_and_best_file_survive_kill_and_resume(m30k, tmp_path, one_thread):

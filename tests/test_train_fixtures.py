@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-import torch
+from conftest import torch_threads
 
 from nmt.bpe import BpeConfig, run_bpe
 from nmt.config import ModelConfig, TrainConfig
@@ -55,12 +55,8 @@ def train_one_thread(data_dir: Path, run_dir: Path, model_cfg: ModelConfig,
     cores); returns RUN/checkpoint_last.pt."""
     from nmt.train.loop import train
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         train(data_dir, run_dir, model_cfg, cfg, device="cpu", progress=False)
-    finally:
-        torch.set_num_threads(threads)
     return run_dir / "checkpoint_last.pt"
 
 

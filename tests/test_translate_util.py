@@ -12,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 from nmt.checkpoint import FORMAT, save_checkpoint
@@ -23,15 +22,6 @@ from nmt.vocab import train_vocab
 REPO = Path(__file__).resolve().parents[1]
 NMT = [sys.executable, "-m", "cli.main"]
 
-
-@pytest.fixture
-def one_thread():
-    """Run a test with one torch thread: on a small shared CPU, two threads contending
-    with other processes are many times slower than one. Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_vocab(multi30k: Path, workdir: Path, lines: int = 1500, size: int = 600) -> Path:

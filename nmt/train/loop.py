@@ -371,8 +371,6 @@ class Trainer:
         else:
             warn_line(text)
 
-    # ----- data -----
-
     # ----- one update -----
 
     def _train_update(self, micro: list[Callable[[], Micro]], all_batches: list[np.ndarray],

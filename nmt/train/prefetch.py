@@ -5,7 +5,7 @@ copy and target selection take the host a few milliseconds per micro-batch; done
 the GPU idles meanwhile. `Prefetcher` hands out updates one at a time and, as soon as it
 hands one out, pulls the following update from the same iterator and prepares its
 micro-batches on one background thread. The iterator must not mutate trainer state as it
-yields (the trainer's `_updates` yields each update's data position instead), so reading one
+yields (`TrainFeed.updates` yields each update's data position instead), so reading one
 update ahead changes nothing that is saved. With `enabled=False` (the CPU default: there the
 host is the device and a second busy thread only competes with it) every micro-batch is
 prepared in line, when asked for; both modes give identical batches in identical order.
