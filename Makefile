@@ -16,13 +16,29 @@ SHARED_MIRROR := ../shared/data/multi30k
 MIRROR ?= $(if $(wildcard $(SHARED_MIRROR)/train.en),$(SHARED_MIRROR),)
 NMT := $(VENV)/bin/nmt
 
-.PHONY: demo install
+# `make test`: the README's test command. Installs the dev extra, runs the whole suite, then
+# the kernel-sensitive tests (marker `isa`) again with every library's CPU kernels capped at
+# AVX2, no native bf16 (oneDNN, PyTorch's own, MKL, FBGEMM, CTranslate2): what a CPU
+# without AVX-512 runs, checked on any x86-64 machine.
+AVX2_ENV := ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+	FBGEMM_ENABLE_INSTRUCTIONS=AVX2 CT2_FORCE_CPU_ISA=AVX2
+
+.PHONY: demo install test
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q torch==2.13.0 -e .
 	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q torch==2.13.0 -e '.[dev]'
+	touch $@ $(VENV)/.installed
+
+test: $(VENV)/.installed-dev
+	$(VENV)/bin/python -m pytest
+	$(AVX2_ENV) $(VENV)/bin/python -m pytest -m isa
 
 demo: install
 	$(NMT) prep $(RECIPE) -o $(DATA) $(if $(MIRROR),--mirror $(MIRROR))

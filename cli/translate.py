@@ -97,7 +97,8 @@ def command(
     strict), 6 unloadable or unsafe checkpoint."""
     interrupt_surely("translate")
     with handle_errors("translate"):
-        from nmt.translate import Translator, translate_stream  # torch: load lazily
+        from nmt.precision import emulation_note  # torch: load lazily
+        from nmt.translate import Translator, translate_stream
 
         cfg = DecodeConfig(beam=beam, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
                            min_len=min_len, nbest=nbest, sampling=sampling,
@@ -105,6 +106,10 @@ def command(
                            max_tokens=max_tokens, buffer_size=buffer_size)
         translator = Translator.load(models, cfg, device=device, precision=precision,
                                      max_src_len=max_src_len, seed=seed, weights=weights)
+        # bf16/fp16 on a CPU that only emulates it: named, with its measured cost
+        note = emulation_note(precision, translator.device, training=False)
+        if note:
+            warn("translate", f"--precision {precision} will be slow: {note}")
         observe = None
         if attention is not None:
             from nmt.attention_map import AttentionWriter

@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import contextlib
+import getpass
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
+
+# torch's inductor caches compiled kernels on disk without keying them by
+# ATEN_CPU_CAPABILITY: a kernel compiled in a run capped at AVX2 and loaded by an uncapped
+# one crashed it ("double free or corruption"), and the reverse computed wrong results (torch
+# 2.13.0, test_projected_loss's compiled test). A capped run (`make test`'s second pass)
+# therefore compiles into a cache of its own.
+_CAPABILITY = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+if _CAPABILITY and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{_CAPABILITY}")
+
+import torch  # noqa: E402  (after the cache directory is chosen)
 
 REPO = Path(__file__).resolve().parents[1]
 # Real data sits beside the project, never inside it (see ../shared/data/README.md).

@@ -27,7 +27,7 @@ from nmt.model import Transformer
 from nmt.search import beam_search, max_output_lengths
 from nmt.special_ids import BOS_ID, EOS_ID, PAD_ID
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.isa]
 
 
 def incremental_logits(model: Transformer, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from nmt.special_ids import BOS_ID, EOS_ID, PAD_ID
 from nmt.translate import Translator, source_batches
 from nmt.vocab import Vocab
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.isa]
 
 LINES = 300
 CFG = DecodeConfig(beam=4, alpha=0.6, nbest=2, max_len_b=5, max_tokens=600)

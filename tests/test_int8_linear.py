@@ -25,7 +25,7 @@ from nmt.model import Transformer
 from nmt.packed_linear import PackedLinear
 from nmt.translate import Translator, translate_stream
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.isa]
 
 needs_int8 = pytest.mark.skipif(not available(),
                                 reason="this torch/CPU has no working int8 linear kernel")

@@ -14,7 +14,7 @@ from nmt.packed_linear import PackedLinear, available, is_packed, pack_for_infer
 from nmt.search import beam_search, max_output_lengths
 from nmt.special_ids import EOS_ID, PAD_ID
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.isa]
 
 needs_onednn = pytest.mark.skipif(not available(torch.float32),
                                   reason="this torch/CPU has no working oneDNN linear ops")

@@ -73,6 +73,7 @@ def test_resume_refuses_other_model(copy_data, tmp_path):
               "cpu", progress=False)
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_step_on_cpu(copy_data, tmp_path, precision):
     summary = train(copy_data, tmp_path / precision, MODEL,

@@ -125,6 +125,7 @@ def test_output_file_input_file_nbest_and_ensemble(ckpt: Path, test_lines: list[
     assert not list(tmp_path.glob(".out.de.*"))  # atomic write left no temp file
 
 
+@pytest.mark.isa
 def test_default_precision_is_auto(ckpt: Path, test_lines: list[str]) -> None:
     """`nmt translate` decodes at --precision auto unless told otherwise: its output equals
     the explicit `--precision auto` one, and auto loads the weights in the dtype the

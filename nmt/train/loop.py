@@ -47,7 +47,7 @@ from nmt.device import allow_tf32, resolve_device, set_cuda_allocator_default
 from nmt.errors import CheckpointError, DistributedError, NmtError, TrainingAborted, UsageError
 from nmt.host_memory import keep_freed_memory, limit_onednn_cache
 from nmt.model import Transformer
-from nmt.precision import autocast, grad_scaler, resolve_precision
+from nmt.precision import autocast, emulation_note, grad_scaler, resolve_precision
 from nmt.train.best import BestTracker
 from nmt.train.distributed import (
     DistEnv,
@@ -272,6 +272,9 @@ class Trainer:
                                             cfg.warmup, cfg.lr_scale)
         # `auto` becomes bf16/fp16/fp32 for this device (logged at start).
         self.precision = resolve_precision(cfg.precision, self.device)
+        # An explicit bf16/fp16 on a CPU that emulates it: named with its measured cost.
+        self.precision_note = emulation_note(self.precision, self.device, training=True) \
+            if self.env.is_main else None
         if self.precision == "fp32":
             allow_tf32(self.device)
         self.scaler = grad_scaler(self.device, enabled=self.precision == "fp16")
@@ -516,6 +519,7 @@ class Trainer:
                   + (f" (derived from --batch-tokens {cfg.batch_tokens})"
                      if cfg.batch_tokens else "")
                   + f"; precision {self.precision} on {self.device.type}"
+                  + (f" (slow: {self.precision_note})" if self.precision_note else "")
                   + (f"; resuming from update {self.step}" if self.step else ""))
         if self.progress is not None:
             self.progress.start(cfg.max_updates, self.step, cfg.max_minutes * 60,
