@@ -67,12 +67,17 @@ def has_vnni() -> bool:
     return bool(words & {"avx512_vnni", "avx_vnni"})
 
 
+def capped_below_vnni(*env_names: str) -> bool:
+    """Whether any of the environment variables `env_names` (a kernel library's ISA cap,
+    e.g. ONEDNN_MAX_CPU_ISA) holds a value that rules VNNI out (AVX2 or older)."""
+    return any(os.environ.get(name, "").upper() in _CAPPED_ISAS for name in env_names)
+
+
 @functools.cache
 def reduce_range() -> bool:
     """7-bit activations where int16 saturation is possible: no VNNI, or the kernels capped
     below it by FBGEMM_ENABLE_INSTRUCTIONS / ONEDNN_MAX_CPU_ISA."""
-    capped = any(os.environ.get(name, "").upper() in _CAPPED_ISAS
-                 for name in ("FBGEMM_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA"))
+    capped = capped_below_vnni("FBGEMM_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
     return capped or not has_vnni()
 
 
