@@ -6,7 +6,8 @@ times `translate_batch` over the same sentences with the same search settings: b
 length penalty 0.6 (CTranslate2's is length ** alpha, nmt's GNMT's), at most max_len_b
 pieces, at least 1, length-sorted batches of max-tokens padded source tokens (CTranslate2's
 "tokens" batch type counts the same way). Each compute type asked for is timed after a
-warm-up, in turn, best of --repeats; wall and process CPU time. Ends with one JSON line.
+warm-up (and --passes - 1 untimed passes over all of them), in turn, best of --repeats;
+wall and process CPU time. Ends with one JSON line.
 
 Usage: python ct2_translate_speed.py REQUEST.json --threads 1 --compute-types float32,int8
 [--device cuda] (bench/gpu_translate_speed.py runs it on the GPU)
@@ -30,6 +31,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--compute-types", default="float32,int8")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--passes", type=int, default=1,
+                        help="Untimed passes over all sentences before each timed one (the "
+                             "steady state of a long input, as translate_speed's --passes).")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     opts = parser.parse_args()
     with open(opts.request, encoding="utf-8") as handle:
@@ -52,6 +56,8 @@ def main() -> None:
                 max_batch_size=req["max_tokens"], batch_type="tokens")
 
         run(sources[:20])  # warm-up
+        for _ in range(opts.passes - 1):
+            run(sources)
         best = None
         for _ in range(opts.repeats):
             start, cpu_start = time.perf_counter(), time.process_time()

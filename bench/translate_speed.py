@@ -182,20 +182,39 @@ def bleu(hyps: list[str], refs: list[str]) -> float:
     return round(sacrebleu.corpus_bleu(hyps, [refs[: len(hyps)]]).score, 2)
 
 
+def rss_mb() -> float:
+    """This process's resident memory now (Linux /proc; 0 elsewhere), MiB."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return 0.0
+    return int(status.split("VmRSS:")[1].split()[0]) / 1024
+
+
 def time_ours(checkpoint: Path, lines: list[str], refs: list[str], cfg: DecodeConfig,
-              precision: str, packed: bool = True) -> dict[str, object]:
+              precision: str, packed: bool = True, passes: int = 1) -> dict[str, object]:
     """`nmt translate`'s stream path over `lines` at `precision` (after a 20-line warm-up),
-    with the linears packed for oneDNN or (packed=False) on torch's default path."""
+    with the linears packed for oneDNN or (packed=False) on torch's default path.
+
+    With `passes` > 1 one translator goes over `lines` that many times and the last pass
+    is timed: the steady state of a long input (many batches), where memory carried from
+    batch to batch shows. `rss_growth_mb` is the resident memory added between the end of
+    the first pass and the end of the last: about 0 unless something accumulates."""
     os.environ["NMT_PACKED_LINEAR"] = "1" if packed else "0"
     packed_linear.available.cache_clear()
     translator = Translator.load([checkpoint], cfg, device="cpu", precision=precision)
     data = ("\n".join(lines) + "\n").encode()
     translate_stream(io.BytesIO(("\n".join(lines[:20]) + "\n").encode()), io.BytesIO(),
                      translator)  # warm-up
+    rss_first = None
+    for _ in range(passes - 1):
+        translate_stream(io.BytesIO(data), io.BytesIO(), translator)
+        rss_first = rss_mb() if rss_first is None else rss_first
     sink = io.BytesIO()
     start, cpu_start = time.perf_counter(), time.process_time()
     stats = translate_stream(io.BytesIO(data), sink, translator)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    rss_end = rss_mb()
     hyps = sink.getvalue().decode("utf-8").splitlines()
     os.environ.pop("NMT_PACKED_LINEAR")
     packed_linear.available.cache_clear()
@@ -206,7 +225,8 @@ def time_ours(checkpoint: Path, lines: list[str], refs: list[str], cfg: DecodeCo
             "seconds": seconds, "sentences_per_s": stats.sentences / seconds,
             "tokens_per_s": stats.tgt_tokens / seconds, "cpu_seconds": cpu,
             "sentences_per_cpu_s": stats.sentences / cpu,
-            "tokens_per_cpu_s": stats.tgt_tokens / cpu}
+            "tokens_per_cpu_s": stats.tgt_tokens / cpu, "passes": passes, "rss_mb": rss_end,
+            "rss_growth_mb": None if rss_first is None else rss_end - rss_first}
 
 
 
@@ -244,10 +264,12 @@ def ct2_request(checkpoint: Path, lines: list[str], cfg: DecodeConfig, cache: Pa
     return path
 
 
-def time_ct2(request: Path, threads: int, vocab: Vocab, refs: list[str]) -> dict[str, dict]:
-    """CTranslate2 float32 and int8 rows from the helper in bench/.venv-ct2."""
+def time_ct2(request: Path, threads: int, vocab: Vocab, refs: list[str], passes: int = 1
+             ) -> dict[str, dict]:
+    """CTranslate2 float32 and int8 rows from the helper in bench/.venv-ct2 (the same
+    warm-up and `passes` as nmt's rows)."""
     proc = subprocess.run([str(CT2_PY), str(REPO / "bench" / "ct2_translate_speed.py"),
-                           str(request), "--threads", str(threads)],
+                           str(request), "--threads", str(threads), "--passes", str(passes)],
                           capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"CTranslate2 side failed:\n{proc.stderr[-3000:]}")
@@ -304,6 +326,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=1,
                         help="Rounds; every system once per round (interleaved), best kept.")
+    parser.add_argument("--passes", type=int, default=1,
+                        help="Passes over the input by one translator (nmt and CTranslate2), "
+                             "the last timed: the steady state of a long input; >1 also "
+                             "reports nmt's resident-memory growth.")
     parser.add_argument("--systems", default="fp32,auto,int8,fp32_unpacked,ct2,fairseq",
                         help="Comma list among fp32, auto, int8, fp32_unpacked, ct2, fairseq.")
     parser.add_argument("--skip-fairseq", action="store_true")
@@ -344,9 +370,10 @@ def main() -> None:
             if name in nmt_runs:
                 precision, packed = nmt_runs[name]
                 keep_best(best, name, time_ours(checkpoint, lines, refs, cfg, precision,
-                                                packed))
+                                                packed, opts.passes))
             elif name == "ct2":
-                for compute_type, row in time_ct2(request, opts.threads, vocab, refs).items():
+                for compute_type, row in time_ct2(request, opts.threads, vocab, refs,
+                                                          opts.passes).items():
                     keep_best(best, f"ct2_{compute_type}", row)
             elif name == "fairseq":
                 keep_best(best, "fairseq", time_fairseq(checkpoint, lines, cfg, opts.cache,
@@ -367,6 +394,10 @@ def report(best: dict[str, dict], opts: argparse.Namespace, checkpoint: Path) ->
         row["same_as_nmt_fp32"] = same
         print(f"{label:<24}{row['sentences_per_s']:>9.1f}{row['sentences_per_cpu_s']:>12.1f}"
               f"{row['tokens_per_s']:>9.0f}{row['bleu']:>7.2f}{same:>18}")
+    for name, row in best.items():
+        if row.get("rss_growth_mb") is not None:
+            print(f"nmt {name}: {row['rss_mb']:.0f} MiB resident after {row['passes']} passes, "
+                  f"{row['rss_growth_mb']:+.0f} MiB since the first")
     result: dict[str, object] = {"bench": "translate_speed", "checkpoint": str(checkpoint),
                                  "beam": 4, "alpha": 0.6, "max_len_b": 50,
                                  "threads": opts.threads, "repeats": opts.repeats,

@@ -8,11 +8,12 @@ position only. `ModelStepDecoder` adapts this to the search's `StepDecoder` prot
 code never sees a cache. `greedy_search` is the one-call greedy decoder validation uses.
 
 Memory has an explicit owner. A `DecodingWorkspace` (one per model, kept by a Translator)
-lends the cache and logits memory its previous batch's decoder left to the next one, and
-takes it back when that decoder is closed (`with workspace.decoder(src) as decoder: ...`):
-on a CPU fresh large buffers are page-faulted in afresh at every batch, reused ones are
-not. The workspace also holds the packed copy of the model's output projection when its
-linears are packed (nmt/packed_linear.py). Nothing global, no finalisers.
+holds the packed copy of the model's output projection when its linears are packed
+(nmt/packed_linear.py) and lends the (rows, vocab) logits buffer its previous batch's
+decoder left to the next one (`with workspace.decoder(src) as decoder: ...`). The key/value
+caches are plain tensors freed with their decoder: on CPU the translator keeps glibc from
+unmapping freed blocks (nmt/host_memory.py), so the next batch reuses mapped pages without
+a pool of ours (see nmt/kv_cache.py). Nothing global, no finalisers.
 """
 
 from __future__ import annotations
@@ -109,12 +110,13 @@ def _logits(model: Transformer, features: Tensor, out: Tensor | None,
 
 
 class DecodingWorkspace:
-    """What one model's step decoders hand on from batch to batch: the key/value cache and
-    logits memory of the last closed decoder (CPU), and the packed output projection.
+    """What one model's step decoders hand on from batch to batch: the logits buffer of the
+    last closed decoder (CPU), and the packed output projection.
 
-    Lent to one decoder at a time: `decoder(src)` takes the memory, the decoder's `close()`
+    Lent to one decoder at a time: `decoder(src)` takes the buffer, the decoder's `close()`
     gives its own back; a second decoder opened meanwhile allocates afresh (two live
-    decoders never share memory). Keep one per model for as long as it translates.
+    decoders never share memory). Keep one per model for as long as it translates. It
+    holds at most one buffer, the largest batch's (rows, vocab) logits.
     """
 
     def __init__(self, model: Transformer, projection: nn.Module | None = None) -> None:
@@ -125,7 +127,6 @@ class DecodingWorkspace:
         if projection is None and is_packed(model):
             projection = PackedLinear(model.output_weight, None)
         self.projection = projection
-        self._buffers: list[Tensor] = []
         self._logits: Tensor | None = None
 
     def decoder(self, src: Tensor) -> ModelStepDecoder:
@@ -133,15 +134,14 @@ class DecodingWorkspace:
         (or use it as a context manager) to leave its memory to the next one."""
         return ModelStepDecoder(self.model, src, self)
 
-    def take(self) -> tuple[list[Tensor], Tensor | None]:
-        """The pooled (cache buffers, logits buffer), leaving the workspace empty."""
-        lent = (self._buffers, self._logits)
-        self._buffers, self._logits = [], None
+    def take(self) -> Tensor | None:
+        """The pooled logits buffer, leaving the workspace empty."""
+        lent, self._logits = self._logits, None
         return lent
 
-    def give_back(self, buffers: list[Tensor], logits: Tensor | None) -> None:
-        """Pool the memory of a finished decoder for the next one."""
-        self._buffers, self._logits = buffers, logits
+    def give_back(self, logits: Tensor | None) -> None:
+        """Keep a finished decoder's logits buffer for the next one."""
+        self._logits = logits
 
 
 class ModelStepDecoder:
@@ -151,10 +151,9 @@ class ModelStepDecoder:
     The log-probabilities a step returns live in a buffer that the next step overwrites
     (one (rows, V) allocation per search instead of two per step, each big enough to be
     page-faulted in afresh): use them before the next `step`, or copy them. With a
-    `workspace` on a CPU, the decoder starts from the memory the workspace's previous
-    decoder left, and `close()` (or leaving its `with` block) gives its own back, so a
-    search per batch maps that memory once. Without one it allocates afresh. A closed
-    decoder cannot step.
+    `workspace` on a CPU, the decoder starts from the logits buffer the workspace's
+    previous decoder left, and `close()` (or leaving its `with` block) gives its own back.
+    Without one it allocates afresh. A closed decoder cannot step.
     """
 
     def __init__(self, model: Transformer, src: Tensor,
@@ -163,9 +162,7 @@ class ModelStepDecoder:
         self.state = init_state(model, model.encode(src))
         self.projection = None if workspace is None else workspace.projection
         self._workspace = workspace if src.device.type == "cpu" else None
-        lent = self._workspace.take() if self._workspace is not None else None
-        self._lent: list[Tensor] | None = None if lent is None else lent[0]  # until reserve
-        self._logits: Tensor | None = None if lent is None else lent[1]
+        self._logits = self._workspace.take() if self._workspace is not None else None
 
     def __enter__(self) -> ModelStepDecoder:
         return self
@@ -175,16 +172,13 @@ class ModelStepDecoder:
         self.close()
 
     def close(self) -> None:
-        """End decoding; with a workspace, leave the cache and logits memory to its next
-        decoder. Idempotent."""
+        """End decoding: drop the caches; with a workspace, leave the logits buffer to its
+        next decoder. Idempotent."""
         if self.state.consumed:
             return
-        buffers = release_cache(self.state)
-        if self._workspace is None:
-            return
-        if self._lent is not None:  # never reserved: keep what it was lent
-            buffers = buffers + self._lent
-        self._workspace.give_back(buffers, self._logits)
+        release_cache(self.state)
+        if self._workspace is not None:
+            self._workspace.give_back(self._logits)
 
     def step(self, tokens: Tensor) -> Tensor:
         """Next-token log-probabilities in float32 whatever the model's precision."""
@@ -201,9 +195,8 @@ class ModelStepDecoder:
 
     def reserve(self, positions: int) -> None:
         """Preallocate the key/value caches for `positions` target tokens (capped by the
-        model's positions), in the memory the workspace lent when it had some."""
-        buffers, self._lent = self._lent, None
-        reserve_cache(self.state, min(positions, self.model.cfg.max_positions), buffers)
+        model's positions)."""
+        reserve_cache(self.state, min(positions, self.model.cfg.max_positions))
 
     def reorder(self, new_order: Tensor) -> None:
         """Select/duplicate rows of the key/value cache and the encoder mask."""

@@ -9,10 +9,12 @@ that the attention turns into a mask (`slot_mask`). Whole groups are copied only
 sentences leave (shrink) or the layout changes; using a state after `reorder_cache`
 consumed it raises.
 
-Memory: buffers a state no longer uses (copied from by a shrink or a growth, or lent by
-`reserve_cache`) go to its free list and are carved up for the next new buffers, so a
-search reuses pages it has already touched instead of page-faulting fresh large ones.
-`release_cache` hands all of a finished state's memory back to the caller.
+Memory: buffers are plain tensors, freed when no state holds them. There is no pool of
+our own: on CPU the translator keeps glibc from unmapping freed blocks
+(nmt/host_memory.py), so the next batch's caches land on pages already mapped. (A pool
+kept here until 2026-11 carved new buffers from old ones of other shapes: it touched fresh
+pages anyway and grew without bound, 1.1 GB after 10 batches; without it `nmt translate`
+took 20-25% less CPU time and its memory stayed flat.)
 
 Tensor bookkeeping only: the sizes come from the cross-attention K/V the caller computed;
 capacities arrive already capped by the model's positions (see nmt/decoding.py).
@@ -20,8 +22,7 @@ capacities arrive already capped by the model's positions (see nmt/decoding.py).
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -56,11 +57,7 @@ class DecoderState:
     step: int = 0  # number of target tokens fed so far = position of the next one
     attention_layer: int = -1
     attention: Tensor | None = None
-    consumed: bool = False  # set by reorder_cache: this state's buffers now belong to another
-    # Buffers whose memory the state no longer uses (caches that a shrink or a growth
-    # copied from, or handed in by `reserve_cache`), reused for the next new cache: their
-    # pages are already mapped, fresh large ones would be page-faulted in afresh.
-    free: list[Tensor] = field(default_factory=list)
+    consumed: bool = False  # set by reorder_cache / release_cache: no longer usable
 
     @property
     def rows(self) -> int:
@@ -79,7 +76,7 @@ def new_state(cross_k: list[Tensor], cross_v: list[Tensor], padding_mask: Tensor
     """A state of one row (group of size 1) per sentence around the per-layer cross K/V
     (n, heads, src_len, d), with empty self-attention caches of `capacity` positions."""
     n = cross_k[0].size(0)
-    self_k, self_v = _empty_caches(cross_k, cross_v, n, capacity, 1, [])
+    self_k, self_v = _empty_caches(cross_k, cross_v, n, capacity, 1)
     return DecoderState(cross_k=cross_k, cross_v=cross_v, padding_mask=padding_mask,
                         cross_mask=cross_mask, self_k=self_k, self_v=self_v,
                         ancestry=torch.zeros(n, 1, capacity, dtype=torch.long,
@@ -101,26 +98,22 @@ def slot_mask(state: DecoderState, position: int) -> Tensor | None:
     return mask.flatten(2).unsqueeze(1)  # (groups, 1, g, (t+1)*g)
 
 
-def reserve_cache(state: DecoderState, positions: int,
-                  buffers: list[Tensor] | None = None) -> None:
+def reserve_cache(state: DecoderState, positions: int) -> None:
     """Make room in `state` for `positions` target tokens in all (the caller caps it by
     the model's positions), so a search that knows its length limit grows the caches once,
     before the first step, instead of copying them at every doubling. Untouched capacity
-    costs address space only. `buffers` (from `release_cache` of a finished state) lend
-    their memory to this state's caches."""
+    costs address space only."""
     check_live(state)
-    state.free = _release(state.free, buffers or [])
     if positions > state.capacity:
         grow_cache(state, positions)
 
 
-def release_cache(state: DecoderState) -> list[Tensor]:
-    """End incremental decoding on `state`: the memory of its self-attention caches, as
-    buffers for `reserve_cache` of a later state (a search over many batches thus maps its
-    cache memory once). `state` is consumed."""
+def release_cache(state: DecoderState) -> None:
+    """End incremental decoding on `state`: it is consumed (a later step raises) and its
+    caches are dropped, so their memory is free for the next batch's."""
     check_live(state)
     state.consumed = True
-    return _release(state.free, state.self_k + state.self_v)
+    state.self_k, state.self_v = [], []
 
 
 def check_live(state: DecoderState) -> None:
@@ -137,14 +130,12 @@ def grow_cache(state: DecoderState, new_capacity: int) -> None:
 
     def grown(old: Tensor) -> Tensor:
         shape = (*old.shape[:2], new_capacity, *old.shape[3:])  # (b, h, cap, g, d)
-        new = _alloc(state.free, shape, old)
+        new = old.new_empty(shape)
         new[:, :, :used] = old[:, :, :used]
         return new
 
-    old = state.self_k + state.self_v
     state.self_k = [grown(k) for k in state.self_k]
     state.self_v = [grown(v) for v in state.self_v]
-    state.free = _release(state.free, old)
     ancestry = state.ancestry.new_zeros(*state.ancestry.shape[:2], new_capacity)  # (b, g, cap)
     ancestry[:, :, :used] = state.ancestry[:, :, :used]
     state.ancestry = ancestry
@@ -185,39 +176,33 @@ def reorder_cache(state: DecoderState, new_order: Tensor) -> DecoderState:
         ancestry = state.ancestry.view(-1, cap).index_select(0, new_order)
         ancestry = ancestry.view(-1, g, cap)  # (groups', g, capacity)
         self_k, self_v = state.self_k, state.self_v
-        free = state.free
-        if not same_groups:  # copy into free buffers; the old ones become free
-            self_k = [_take_groups(c, src, used, free) for c in self_k]
-            self_v = [_take_groups(c, src, used, free) for c in self_v]
-            free = _release(free, state.self_k + state.self_v)
+        if not same_groups:  # copy the groups that stay
+            self_k = [_take_groups(c, src, used) for c in self_k]
+            self_v = [_take_groups(c, src, used) for c in self_v]
     else:  # new layout: every row's own history gathered into its own slot
-        free = state.free
-        self_k, self_v = _empty_caches(state.self_k, state.self_v, src.numel(), cap, new_g,
-                                       free)
+        self_k, self_v = _empty_caches(state.self_k, state.self_v, src.numel(), cap, new_g)
         if used:
             slot_of = state.ancestry.view(-1, cap)[:, :used].index_select(0, new_order)
             for old, new in zip(state.self_k + state.self_v, self_k + self_v, strict=True):
                 _gather_history(old, new, group_of, slot_of, new_g)
-        free = _release(free, state.self_k + state.self_v)
         ancestry = torch.arange(new_g, device=new_order.device)  # (g',)
         ancestry = ancestry.view(1, new_g, 1).expand(src.numel(), new_g, cap).clone()
     attention = (None if state.attention is None
                  else state.attention.index_select(0, new_order))
     return DecoderState(cross_k=cross_k, cross_v=cross_v, padding_mask=padding_mask,
                         cross_mask=cross_mask, self_k=self_k, self_v=self_v,
-                        ancestry=ancestry, group_size=new_g, step=used, free=free,
+                        ancestry=ancestry, group_size=new_g, step=used,
                         attention_layer=state.attention_layer, attention=attention)
 
 
-def _empty_caches(like_k: list[Tensor], like_v: list[Tensor], groups: int, cap: int, g: int,
-                  free: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+def _empty_caches(like_k: list[Tensor], like_v: list[Tensor], groups: int, cap: int, g: int
+                  ) -> tuple[list[Tensor], list[Tensor]]:
     """Uninitialised self-attention buffers (groups, heads, cap, g, d) of every layer, with
     the heads, d, dtype and device of the per-layer `like_k`/`like_v` tensors (heads in
-    dim 1, d last), taken from the `free` buffers where possible (every K before every V,
-    the order in which they are carved from `free`)."""
+    dim 1, d last)."""
 
     def empty(likes: list[Tensor]) -> list[Tensor]:
-        return [_alloc(free, (groups, like.size(1), cap, g, like.size(-1)), like)
+        return [like.new_empty(groups, like.size(1), cap, g, like.size(-1))
                 for like in likes]  # each (groups, heads, cap, g, d)
 
     return empty(like_k), empty(like_v)
@@ -237,39 +222,13 @@ def _group_size(group_of: Tensor, g: int, rows: int, n_new: int, groups: int) ->
     return candidate if bool((blocks == blocks[:, :1]).all()) else 1
 
 
-def _take_groups(cache: Tensor, src: Tensor, used: int, free: list[Tensor]) -> Tensor:
+def _take_groups(cache: Tensor, src: Tensor, used: int) -> Tensor:
     """Groups `src` of a (groups, heads, capacity, g, d) cache, first `used` positions
-    copied (the rest is never read), into a buffer from `free` when one is large enough."""
-    new = _alloc(free, (src.numel(), *cache.shape[1:]), cache)  # (groups', heads, cap, g, d)
+    copied (the rest is never read)."""
+    new = cache.new_empty(src.numel(), *cache.shape[1:])  # (groups', heads, cap, g, d)
     if used:
         torch.index_select(cache[:, :, :used], 0, src, out=new[:, :, :used])  # no temporary
     return new
-
-
-def _alloc(free: list[Tensor], shape: tuple[int, ...], like: Tensor) -> Tensor:
-    """An uninitialised tensor of `shape`, dtype/device of `like`, carved from the smallest
-    large-enough buffer of `free` (removed from the list), else newly allocated."""
-    numel = math.prod(shape)
-    fits = [b for b in free if b.numel() >= numel and b.dtype == like.dtype
-            and b.device == like.device]
-    if not fits:
-        return like.new_empty(shape)
-    buffer = min(fits, key=Tensor.numel)
-    del free[next(i for i, b in enumerate(free) if b is buffer)]  # by identity, not ==
-    return buffer[:numel].view(shape)
-
-
-def _release(free: list[Tensor], tensors: list[Tensor]) -> list[Tensor]:
-    """`free` plus the whole flat storage of each of `tensors` (once each)."""
-    out = list(free)
-    seen = {b.data_ptr() for b in out}
-    for tensor in tensors:
-        base = tensor if tensor._base is None else tensor._base
-        flat = base.view(-1)  # (numel,)
-        if flat.data_ptr() not in seen:
-            seen.add(flat.data_ptr())
-            out.append(flat)
-    return out
 
 
 def _gather_history(old: Tensor, new: Tensor, group_of: Tensor, slot_of: Tensor,

@@ -109,9 +109,12 @@ def test_pooled_memory_and_batches_change_nothing(setup) -> None:
     translator, sources = setup
     first = translate_all(translator, sources)
     assert len(source_batches([len(s) for s in sources], CFG.max_tokens)) > 5
-    assert translator.workspaces[0]._buffers  # memory left for the next batch
+    held = translator.workspaces[0]._logits  # None: the packed projection allocates its own
     again = translate_all(translator, sources)  # every batch on reused memory
     assert plain(again) == plain(first)
+    # Nothing accumulates from batch to batch: the same one buffer, no cache kept.
+    assert translator.workspaces[0]._logits is held
+    assert vars(translator.workspaces[0]).keys() == {"model", "projection", "_logits"}
     max_lens = max_output_lengths(padded(sources), CFG.max_len_a, CFG.max_len_b)
     assert len({tuple(hyps[0].tokens) for hyps in first}) > LINES // 5  # input-dependent
     ended = sum(len(h[0].tokens) < n for h, n in zip(first, max_lens.tolist(), strict=True))
