@@ -9,6 +9,25 @@ import typer
 from cli import average, bpe, export, plot, prep, score, train, translate
 from nmt import __version__
 
+
+def _hide_flag_types() -> None:
+    """Show no value type beside flags in the help. Recent Typer (0.2x) labels every flag
+    `<bool>` in its rich help (--help, --version, --force), as if it took a value; a flag
+    takes none. Typer versions without that hook are left as they are."""
+    option = getattr(typer.core, "TyperOption", None)
+    original = getattr(option, "display_type_rich", None)
+    if option is None or original is None or getattr(original, "nmt_flags_hidden", False):
+        return
+
+    def display_type_rich(self: typer.core.TyperOption, ctx: object) -> str | None:
+        return None if self.is_flag else original(self, ctx)
+
+    display_type_rich.nmt_flags_hidden = True  # type: ignore[attr-defined]
+    option.display_type_rich = display_type_rich
+
+
+_hide_flag_types()
+
 app = typer.Typer(
     name="nmt",
     help="Neural machine translation with the Transformer of 'Attention Is All You Need': "
@@ -27,7 +46,8 @@ app.command("translate", help="Translate lines from stdin (or -i) with beam sear
     translate.command)
 app.command("score", help="Score hypotheses against references (sacreBLEU, paper BLEU).")(
     score.command)
-app.command("plot", help="Plot a run's training curves as a PNG (needs nmt[plot]).")(plot.command)
+app.command("plot", help="Plot a run's training curves as a PNG (needs "
+            "nmt\\[plot]).")(plot.command)
 app.add_typer(export.app, name="export", help="Export a checkpoint for CTranslate2 (needs "
               "nmt\\[ct2]).")
 

@@ -292,6 +292,10 @@ def command(
         model_flags = {k: flags[k] for k in SETTABLE_MODEL_FIELDS}
         train_flags = {f.name: flags[f.name] for f in dataclasses.fields(TrainConfig)}
         model_cfg, train_cfg, sources = resolve(data, arch, model_flags, train_flags)
+        if init_from is not None:  # not config fields, but they change what is trained
+            sources["init_from"] = f"{init_from} (flag)"
+        if reset_optimizer:
+            sources["reset_optimizer"] = "True (flag)"
         if sources:
             console.print(
                 "nmt train: settings not at their defaults: "

@@ -9,6 +9,7 @@ checkpoints add `optimizer`, `scheduler`, `scaler`, `rng`, `data_state`, `train_
 from __future__ import annotations
 
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -93,15 +94,41 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu",
             payload = torch.load(path, map_location=map_location, weights_only=True,
                                  mmap=mmap)
     except Exception as err:  # UnpicklingError, RuntimeError (zip), EOFError, ...
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(f"{path}: refused to load: not a safe nmt checkpoint "
-                              f"({first[:200]})") from err
+        raise CheckpointError(f"{path}: {_load_failure(err)}") from err
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not an nmt checkpoint (format {FORMAT} expected)")
     missing = [k for k in REQUIRED_KEYS if k not in payload]
     if missing:
         raise CheckpointError(f"{path}: checkpoint lacks {', '.join(missing)}")
     return payload
+
+
+def _load_failure(err: Exception) -> str:
+    """What a failed torch.load means for the user, in one whole sentence.
+
+    A pickle that weights_only refuses ("Weights only load failed"): not a safe nmt
+    checkpoint. torch's zip reader on a cut or damaged file ("PytorchStreamReader failed
+    reading zip archive: failed finding central directory. This is an internal miniz
+    error...", a hint that shortening would end mid-sentence), an empty file (EOFError)
+    or a cut inside the last record (a negative seek): truncated or corrupt. A file that
+    is not a zip, read memory-mapped (a resume): refused, not ours. Anything else (a text
+    file: "invalid load key"): not a readable checkpoint, with the error's first sentence.
+    """
+    text = str(err)
+    if "weights only load failed" in text.lower():
+        return ("refused to load: not a safe nmt checkpoint (it holds objects other than "
+                "tensors and plain data)")
+    if "mmap can only be used" in text:  # not a zip: a bare pickle or any other file
+        return ("refused to load: not torch's zip format, which nmt always writes (a bare "
+                "pickle or another kind of file)")
+    if isinstance(err, EOFError | zipfile.BadZipFile) or any(
+            marker in text for marker in ("PytorchStreamReader", "zip archive",
+                                          "central directory", "negative seek")):
+        return ("truncated or corrupt checkpoint (an interrupted copy or a full disk?); "
+                "copy it again or use another checkpoint of the run")
+    first = text.strip().splitlines()[0].split(". ")[0][:120] if text.strip() else ""
+    return (f"not a readable nmt checkpoint ({type(err).__name__}"
+            f"{': ' + first if first else ''})")
 
 
 WEIGHTS: tuple[str, ...] = ("auto", "raw", "ema")
@@ -111,10 +138,23 @@ def model_state(payload: dict[str, Any], weights: str = "auto",
                 path: Path | None = None) -> dict[str, torch.Tensor]:
     """The state dict a checkpoint offers for `weights`: `raw`, `ema` (the averaged
     parameters of `--ema-decay` over the raw buffers) or `auto` (ema where the file has
-    it, else raw)."""
+    it, else raw).
+
+    A run's `checkpoint_best.pt` holds one set of weights, the ones validated: with
+    `--ema-decay` those are the EMA weights (its meta says so), which `ema` and `auto`
+    accept and `raw` refuses (the raw weights of that step are in no file)."""
     if weights not in WEIGHTS:
         raise UsageError(f"unknown weights {weights!r}; choose one of: {', '.join(WEIGHTS)}")
     ema = payload.get("ema")
+    meta = payload.get("meta")
+    best = meta.get("best") if isinstance(meta, dict) else None
+    ema_only = not ema and isinstance(best, dict) and best.get("ema") is True
+    if ema_only:
+        if weights == "raw":
+            raise CheckpointError(f"{path or 'checkpoint'}: holds only the EMA weights "
+                                  "validated as the best (an --ema-decay run's best model); "
+                                  "use --weights ema or auto, or checkpoint_last.pt for raw")
+        return payload["model"]
     if weights == "raw" or (weights == "auto" and not ema):
         return payload["model"]
     if not ema:

@@ -144,7 +144,15 @@ class TrainConfig:
             raise UsageError(f"unknown precision {self.precision!r}; "
                              f"choose one of: {', '.join(PRECISIONS)}")
         _check_positive(self, ("warmup", "max_tokens", "update_freq", "max_len", "keep_last",
-                               "valid_interval", "log_interval", "max_nonfinite_in_a_row"))
+                               "valid_interval", "log_interval", "max_nonfinite_in_a_row",
+                               "max_updates", "lr_scale", "adam_eps"))
+        if self.batch_tokens is not None:
+            _check_positive(self, ("batch_tokens",))
+        _check_non_negative(self, ("seed", "max_epochs", "max_minutes", "weight_decay",
+                                   "clip_norm", "save_interval_minutes",
+                                   "save_interval_updates"))
+        _check_probability("adam_beta1", self.adam_beta1)
+        _check_probability("adam_beta2", self.adam_beta2)
         _check_probability("label_smoothing", self.label_smoothing)
         _check_probability("ema_decay", self.ema_decay)
         if self.best_metric not in BEST_METRICS:
@@ -196,6 +204,7 @@ class DecodeConfig:
 
     def __post_init__(self) -> None:
         _check_positive(self, ("beam", "nbest", "max_tokens", "buffer_size"))
+        _check_non_negative(self, ("max_len_a", "max_len_b", "top_k", "seed"))
         if self.nbest > self.beam and not self.sampling:
             raise UsageError(f"--nbest {self.nbest} exceeds --beam {self.beam}; "
                              "raise the beam or lower nbest")
@@ -214,6 +223,13 @@ def _check_positive(obj: object, names: tuple[str, ...]) -> None:
         value = getattr(obj, name)
         if value <= 0:
             raise UsageError(f"{name.replace('_', '-')} must be positive, got {value}")
+
+
+def _check_non_negative(obj: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value < 0:
+            raise UsageError(f"{name.replace('_', '-')} must be >= 0, got {value}")
 
 
 def _check_probability(name: str, value: float) -> None:

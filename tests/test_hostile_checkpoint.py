@@ -86,3 +86,51 @@ def test_average_refuses_a_run_dir_holding_one_hostile_file(tmp_path: Path) -> N
     result = cli_nmt("average", str(run_dir), "--last", "1", "-o", str(tmp_path / "o.pt"))
     assert result.returncode == 6 and b"checkpoint_20.pt: refused to load" in result.stderr
     assert not marker.exists() and not (tmp_path / "o.pt").exists()
+
+
+def test_truncated_or_corrupt_checkpoint_says_so_in_one_whole_sentence(tmp_path: Path) -> None:
+    """A cut copy (torch's zip reader error would end mid-sentence when shortened), an
+    empty file and a cut inside the last record all read as truncated or corrupt."""
+    from conftest import shared_data_path
+
+    spm = make_vocab(shared_data_path("multi30k"), tmp_path / "spm")
+    whole = make_checkpoint(spm, tmp_path / "whole.pt").read_bytes()
+    for name, data in (("half.pt", whole[: len(whole) // 2]), ("empty.pt", b""),
+                       ("head.pt", whole[:100]), ("tail_cut.pt", whole[:-30])):
+        path = tmp_path / name
+        path.write_bytes(data)
+        result = cli_nmt("translate", "-m", str(path), input=b"hello\n")
+        lines = result.stderr.decode().strip().splitlines()
+        assert result.returncode == 6 and len(lines) == 1, (name, result.stderr)
+        assert f"{path}: truncated or corrupt checkpoint" in lines[0], lines[0]
+        assert lines[0].endswith("use another checkpoint of the run"), lines[0]
+    garbage = tmp_path / "notes.pt"
+    garbage.write_bytes(b"hello world, not a checkpoint")
+    result = cli_nmt("translate", "-m", str(garbage), input=b"hello\n")
+    assert result.returncode == 6
+    assert f"{garbage}: not a readable nmt checkpoint" in result.stderr.decode()
+
+
+def test_ema_best_checkpoint_serves_weights_ema_and_refuses_raw(tmp_path: Path) -> None:
+    """checkpoint_best.pt of an --ema-decay run holds the validated EMA weights under
+    "model" (its meta says so): `--weights ema` takes them; `raw` says what the file holds."""
+    from conftest import shared_data_path
+
+    from nmt.checkpoint import load_checkpoint, model_state, save_checkpoint
+
+    spm = make_vocab(shared_data_path("multi30k"), tmp_path / "spm")
+    path = make_checkpoint(spm, tmp_path / "checkpoint_best.pt")
+    payload = load_checkpoint(path)
+    payload["meta"]["best"] = {"metric": "loss", "score": 3.0, "ema": True}
+    save_checkpoint(payload, path)
+    for weights in ("ema", "auto"):
+        assert model_state(payload, weights, path) is payload["model"]
+        result = cli_nmt("translate", "-m", str(path), "--weights", weights, input=b"a dog\n")
+        assert result.returncode == 0 and result.stdout.count(b"\n") == 1, result.stderr
+    result = cli_nmt("translate", "-m", str(path), "--weights", "raw", input=b"a dog\n")
+    assert result.returncode == 6 and result.stdout == b""
+    message = result.stderr.decode().strip()
+    assert "holds only the EMA weights" in message and len(message.splitlines()) == 1
+    plain = make_checkpoint(spm, tmp_path / "plain.pt")  # no EMA at all: as before
+    result = cli_nmt("translate", "-m", str(plain), "--weights", "ema", input=b"a dog\n")
+    assert result.returncode == 6 and b"holds no EMA weights" in result.stderr

@@ -126,3 +126,64 @@ def test_shipped_wmt_recipes_carry_the_papers_gpu_schedule(tmp_path: Path, recip
     model, train, sources = resolve(tmp_path, "big", {}, {})
     assert (model.d_model, model.dropout, train.max_updates) == (1024, big_dropout, 300000)
     assert sources["max_updates"].endswith(f"(recipe {recipe} [training.big])")
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--max-updates", "-3", "max-updates must be positive"),
+    ("--max-updates", "0", "max-updates must be positive"),
+    ("--max-epochs", "-1", "max-epochs must be >= 0"),
+    ("--max-minutes", "-5", "max-minutes must be >= 0"),
+    ("--save-interval-updates", "-10", "save-interval-updates must be >= 0"),
+    ("--save-interval-minutes", "-1", "save-interval-minutes must be >= 0"),
+    ("--batch-tokens", "-100", "batch-tokens must be positive"),
+    ("--lr-scale", "0", "lr-scale must be positive"),
+    ("--clip-norm", "-1", "clip-norm must be >= 0"),
+    ("--weight-decay", "-0.1", "weight-decay must be >= 0"),
+    ("--adam-beta2", "1.0", "adam-beta2 must be in [0, 1)"),
+    ("--seed", "-1", "seed must be >= 0"),
+])
+def test_negative_counts_and_sizes_are_usage_errors(tmp_path: Path, flag: str, value: str,
+                                                     message: str) -> None:
+    """`nmt train ... --max-updates -3` used to train nothing, save checkpoint_0.pt and
+    exit 0: every count and size is checked before anything is written."""
+    from test_translate_util import cli_nmt
+
+    run = tmp_path / "run"
+    result = cli_nmt("train", str(_data_dir(tmp_path, "")), "-o", str(run), flag, value)
+    lines = result.stderr.decode().strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and message in lines[0], lines
+    assert not run.exists()
+
+
+@pytest.mark.parametrize(("field", "value"), [("max_len_a", -1.0), ("max_len_b", -1),
+                                              ("top_k", -2), ("seed", -1)])
+def test_decode_config_refuses_negative_values(field: str, value: float) -> None:
+    from nmt.config import DecodeConfig
+
+    with pytest.raises(UsageError, match=f"{field.replace('_', '-')} must be >= 0"):
+        DecodeConfig(**{field: value})
+
+
+def test_start_up_line_names_init_from_and_reset_optimizer(tmp_path: Path) -> None:
+    from test_translate_util import cli_nmt
+
+    init = tmp_path / "parent.pt"
+    result = cli_nmt("train", str(_data_dir(tmp_path, "")), "-o", str(tmp_path / "run"),
+                     "--init-from", str(init), "--reset-optimizer")
+    first = result.stderr.decode().splitlines()[0]
+    assert first.startswith("nmt train: settings not at their defaults: "), first
+    assert f"init_from={init} (flag)" in first and "reset_optimizer=True (flag)" in first
+
+
+def test_help_shows_no_value_type_for_flags_and_keeps_extras_names() -> None:
+    """Flags take no value, so no `<bool>` beside them; `nmt[plot]` is not eaten as markup."""
+    from test_translate_util import cli_nmt
+
+    top = cli_nmt("--help").stdout.decode()
+    assert "--version" in top and "<bool>" not in top
+    assert "nmt[plot]" in top and "nmt[ct2]" in top
+    for command in ("train", "translate", "score", "prep"):
+        text = cli_nmt(command, "--help").stdout.decode()
+        assert "<bool>" not in text, command
+        assert "<int>" in text or "<float>" in text or "<path>" in text, command
