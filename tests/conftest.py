@@ -66,3 +66,43 @@ def one_thread():
     shared CPU two contending threads are many times slower than one)."""
     with torch_threads(1):
         yield
+
+
+# --- The fast loop (`pytest -m "not slow"`) -----------------------------------------------
+# Cost is marked from fixtures, at collection: every test that uses one of these (directly
+# or through another fixture) is `slow`, so a new test on an expensive fixture is marked
+# without anyone remembering to. Name -> what makes it expensive.
+SLOW_FIXTURES: dict[str, str] = {
+    "multi30k_model": "trains a small model on Multi30k for minutes (test_export_ct2)",
+}
+# A test outside `slow` that takes longer than this (setup + call, seconds) is named at
+# the end of the run: mark it slow (keeping a fast test in its module) or make it cheaper.
+FAST_BUDGET_S = 5.0
+_costs: dict[str, float] = {}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark `slow` every test whose fixture closure holds a SLOW_FIXTURES entry."""
+    for item in items:
+        if SLOW_FIXTURES.keys() & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Add up each test's setup and call time (its cost in the fast loop)."""
+    if report.when in ("setup", "call"):
+        _costs[report.nodeid] = _costs.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int,
+                            config: pytest.Config) -> None:
+    """In a run that leaves `slow` out, name the tests over FAST_BUDGET_S."""
+    if "not slow" not in (config.option.markexpr or ""):
+        return
+    over = sorted(((cost, nodeid) for nodeid, cost in _costs.items()
+                   if cost > FAST_BUDGET_S), reverse=True)
+    if over:
+        terminalreporter.write_line(
+            f"fast loop: {len(over)} test(s) over {FAST_BUDGET_S:.0f} s without the slow "
+            "mark (mark them slow, keeping a fast test in their module, or make them "
+            "cheaper): " + ", ".join(f"{nodeid} {cost:.1f} s" for cost, nodeid in over))

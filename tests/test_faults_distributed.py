@@ -82,3 +82,31 @@ def test_killing_one_of_two_gloo_ranks_ends_the_job_naming_it(m30k, tmp_path, vi
     assert _find_rank(tag, 1 - victim) is None, "the surviving rank is still running"
     payload = load_checkpoint(run / "checkpoint_last.pt")  # intact, whatever was cut off
     assert payload["step"] >= 1 and len(payload["rng"]) == 2
+
+
+def test_launcher_names_the_rank_a_signal_killed_and_passes_nmt_codes_on() -> None:
+    """The fast half of the test above, without processes: what the launcher makes of
+    torchrun's failure record. A rank killed by a signal is named (the earliest if
+    several); ranks that exited with an nmt code pass the code on, preferred over a
+    peer's follow-on crash (1)."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.errors import (
+        ChildFailedError,
+        ProcessFailure,
+    )
+
+    from nmt.errors import DistributedError
+    from nmt.train.distributed import _child_failure_code
+
+    def failure(rank: int, code: int) -> ProcessFailure:
+        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code,
+                              error_file=str(Path("/nonexistent/error.json")))
+
+    killed = ChildFailedError("train", {0: failure(0, 1), 1: failure(1, -signal.SIGKILL)})
+    with pytest.raises(DistributedError, match=r"rank 1 \(local rank 1, pid 101\) died "
+                                               r"from SIGKILL \(rank\(s\) 0 failed too\)"):
+        _child_failure_code(killed)
+    assert _child_failure_code(ChildFailedError("t", {0: failure(0, 1),
+                                                      1: failure(1, 6)})) == 6
+    assert _child_failure_code(ChildFailedError("t", {0: failure(0, 1)})) == 1

@@ -57,3 +57,21 @@ def test_wheel_ships_the_recipes(tmp_path: Path) -> None:
     assert listed.returncode == 0, listed.stderr
     assert [line.split("\t")[0] for line in listed.stdout.splitlines()] == recipe_names()
     assert len(recipe_names()) >= 3
+
+
+def test_package_data_patterns_cover_every_recipe() -> None:
+    """The fast, static half of the wheel test: pyproject's package data for `recipes`
+    matches every recipe file in the tree, so a new recipe cannot be left out of wheels."""
+    import fnmatch
+
+    from nmt.recipes import tomllib  # tomllib, or tomli before Python 3.11
+
+    config = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    setuptools = config["tool"]["setuptools"]
+    assert "recipes" in setuptools["packages"]["find"]["include"]
+    patterns = setuptools["package-data"]["recipes"]
+    files = sorted(p.name for p in (REPO / "recipes").iterdir()
+                   if p.is_file() and p.suffix != ".py")
+    assert files and all(any(fnmatch.fnmatch(f, pat) for pat in patterns) for f in files)
+    assert {f.removesuffix(".toml") for f in files if f.endswith(".toml")} == set(
+        recipe_names())

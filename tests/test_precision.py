@@ -52,6 +52,7 @@ def test_no_note_where_nothing_is_emulated() -> None:
         assert emulation_note("bf16", CPU, True) is None
 
 
+@pytest.mark.slow  # three interpreters, each capped before oneDNN starts: 5 s
 def test_train_and_translate_name_emulated_bf16(tmp_path) -> None:
     """`nmt train --precision bf16` on a CPU that emulates it says so on its start-up line,
     with the cost; `nmt translate --precision bf16` warns; both still run. `auto` is

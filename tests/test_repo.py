@@ -46,3 +46,24 @@ def test_ci_runs_the_readme_test_command() -> None:
     test_command = blocks[1].strip()
     ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
     assert test_command in ci, "the README's test command must appear verbatim in .ci/run"
+
+
+def test_tests_on_slow_fixtures_are_marked_slow_at_collection(request) -> None:
+    """conftest's SLOW_FIXTURES marks every test that uses one, so the fast loop
+    (`pytest -m "not slow"`) leaves it out without a hand-written mark."""
+    from conftest import SLOW_FIXTURES, pytest_collection_modifyitems
+
+    class Item:  # what the hook reads and writes of a collected test
+        def __init__(self, fixturenames: list[str]) -> None:
+            self.fixturenames, self.marks = fixturenames, []
+
+        def add_marker(self, mark: object) -> None:
+            self.marks.append(mark)
+
+    costly, cheap = Item(["tmp_path", *SLOW_FIXTURES]), Item(["tmp_path"])
+    pytest_collection_modifyitems(request.config, [costly, cheap])  # type: ignore[list-item]
+    assert [m.name for m in costly.marks] == ["slow"] and cheap.marks == []
+    # In a run that collected them (the full suite), the real ones carry the mark.
+    users = [item for item in request.session.items
+             if SLOW_FIXTURES.keys() & set(getattr(item, "fixturenames", ()))]
+    assert all(item.get_closest_marker("slow") for item in users)

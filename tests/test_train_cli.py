@@ -33,6 +33,7 @@ def _nmt(*args, timeout=300):
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.slow  # two interpreters and 8 updates: 10 s; the in-process test below is fast
 def test_cli_trains_resumes_and_logs(m30k_data, tmp_path):
     run = tmp_path / "run"
     common = [str(m30k_data), "-o", str(run), "--arch", "tiny", "--device", "cpu",
@@ -59,12 +60,20 @@ def test_cli_trains_resumes_and_logs(m30k_data, tmp_path):
 
 
 def test_cli_rejects_bad_flags(m30k_data, tmp_path):
-    bad = _nmt(str(m30k_data), "-o", str(tmp_path / "r"), "--precision", "fp8")
-    assert bad.returncode == 2 and "unknown precision" in bad.stderr
-    bad = _nmt(str(m30k_data), "-o", str(tmp_path / "r"), "--arch", "huge")
-    assert bad.returncode == 2 and "unknown arch" in bad.stderr
-    missing = _nmt(str(tmp_path / "nothing"), "-o", str(tmp_path / "r"))
-    assert missing.returncode == 3 and "nmt bpe" in missing.stderr
+    """In process (no interpreter start): each usage error is one line with its exit code."""
+    from test_translate_util import cli_nmt
+
+    def train(*args: str) -> tuple[int, str]:
+        result = cli_nmt("train", *args)
+        return result.returncode, result.stderr.decode()
+
+    code, err = train(str(m30k_data), "-o", str(tmp_path / "r"), "--precision", "fp8")
+    assert code == 2 and "unknown precision" in err and len(err.strip().splitlines()) == 1
+    code, err = train(str(m30k_data), "-o", str(tmp_path / "r"), "--arch", "huge")
+    assert code == 2 and "unknown arch" in err
+    code, err = train(str(tmp_path / "nothing"), "-o", str(tmp_path / "r"))
+    assert code == 3 and "nmt bpe" in err
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.slow

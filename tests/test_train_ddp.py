@@ -160,3 +160,24 @@ def test_resume_is_decided_by_rank_0_and_refused_where_a_rank_cannot_follow(tmp_
         assert "(update 3)" in text and "file system every node shares" in text, text
         assert "\n" not in text
     assert load_checkpoint(node0 / "checkpoint_last.pt")["step"] == 3  # nothing written
+
+
+def test_launcher_flags_are_stripped_for_the_children_and_one_process_needs_no_group() -> None:
+    """Without processes: the relaunched children get ARGV minus the launcher's own flags
+    (torchrun would take `--nproc` for its --nproc-per-node), in both spellings; a single
+    process (no WORLD_SIZE) runs no collective: broadcast and gather return its own."""
+    from nmt.train.distributed import (
+        DistEnv,
+        broadcast_object,
+        gather_objects,
+        strip_launch_flags,
+    )
+
+    argv = ["train", "data", "--nproc", "2", "-o", "run", "--gpus=2", "--nnodes", "2",
+            "--rdzv-endpoint=host:29500", "--max-updates", "3", "--arch", "tiny"]
+    assert strip_launch_flags(argv) == ["train", "data", "-o", "run", "--max-updates", "3",
+                                        "--arch", "tiny"]
+    env = DistEnv()
+    assert not env.active and env.is_main
+    assert broadcast_object(env, {"resume": 6}) == {"resume": 6}
+    assert gather_objects(env, "state") == ["state"]

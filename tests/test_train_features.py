@@ -257,6 +257,7 @@ def test_training_reads_corpus_weights_from_the_manifest(m30k, tmp_path, one_thr
     assert trainer.run().step == 3
 
 
+@pytest.mark.slow  # trains 600 updates (12 s) so that beam and greedy output differ
 def test_valid_bleu_decodes_as_translate_does(tmp_path, one_thread, monkeypatch):
     """--valid-bleu scores beam-search output (beam 4, alpha 0.6, as `nmt translate`),
     not greedy output: its BLEU and chrF equal those of translating valid.src with the
