@@ -216,17 +216,12 @@ def translate(setup: Setup, models: list[Path], source: Path, *flags: str,
     return lines, time.perf_counter() - start
 
 
-def bleu(hyps: list[str], refs: list[str]) -> float:
-    """Detokenized sacreBLEU."""
-    import sacrebleu
-
-    return float(sacrebleu.corpus_bleu(hyps, [refs]).score)
-
-
 def check_translate(setup: Setup, model: Path, source: Path, refs: list[str]) -> list[Check]:
     """CUDA fp32/bf16/fp16 against the CPU fp32 BLEU of the same model."""
     cpu_hyps, cpu_s = translate(setup, [model], source, "--precision", "fp32", device="cpu")
-    reference = bleu(cpu_hyps, refs)
+    from nmt.score import corpus_scores
+
+    reference = corpus_scores(cpu_hyps, refs)["bleu"]
     checks = [Check("translate_cpu_fp32", figure=f"BLEU {reference:.2f}",
                     detail=f"{len(cpu_hyps) / cpu_s:.1f} sent/s incl. start-up",
                     data={"bleu": reference, "seconds": cpu_s})]
@@ -235,7 +230,7 @@ def check_translate(setup: Setup, model: Path, source: Path, refs: list[str]) ->
             checks.append(Check("translate_fp16", "n/a", detail="fp16 decoding is CUDA-only"))
             continue
         hyps, seconds = translate(setup, [model], source, "--precision", precision)
-        score = bleu(hyps, refs)
+        score = corpus_scores(hyps, refs)["bleu"]
         ok = len(hyps) == len(refs) and abs(score - reference) <= 0.3
         checks.append(Check(f"translate_{precision}", "ok" if ok else "FAIL",
                             figure=f"BLEU {score:.2f} (CPU fp32 {reference:.2f})",

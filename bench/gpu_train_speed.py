@@ -67,7 +67,7 @@ from nmt.train.loss import (  # noqa: E402
     projected_smoothed_loss,
     target_positions,
 )
-from nmt.train.schedule import InverseSqrtSchedule, build_optimizer  # noqa: E402
+from nmt.train.schedule import Schedule, build_optimizer, build_schedule  # noqa: E402
 
 # Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s, from NVIDIA's datasheets: H100
 # SXM 1,979 and H100 PCIe 1,513 "with sparsity" (H100 Tensor Core GPU datasheet), H200
@@ -193,7 +193,7 @@ def peak_host_rss() -> int:
 def train_update(micro: list[HostBatch], net: nn.Module, model: Transformer,
                  opt: argparse.Namespace, device: torch.device, precision: str,
                  optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                 schedule: InverseSqrtSchedule) -> Tensor:
+                 schedule: Schedule) -> Tensor:
     """One update over `micro`; returns the loss sum as a device scalar (no host sync)."""
     tokens = sum(int(hb.tgt_lens.sum()) for hb in micro)
     nb = device.type == "cuda"
@@ -244,7 +244,7 @@ def run(opt: argparse.Namespace) -> dict:
                             update_freq=1)
     update_freq = opt.update_freq or derive_batching(train_cfg, 1).update_freq
     optimizer = build_optimizer(model.parameters(), train_cfg, device)
-    schedule = InverseSqrtSchedule(optimizer, cfg.d_model, train_cfg.warmup)
+    schedule = build_schedule(optimizer, cfg.d_model, train_cfg)
     scaler = grad_scaler(device, enabled=precision == "fp16")
     net: nn.Module = model if opt.loss == "reference" else FeatureHead(model)
     if opt.compile:

@@ -42,7 +42,6 @@ import sys
 import time
 from pathlib import Path
 
-import sacrebleu
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,9 +49,10 @@ sys.path.insert(0, str(REPO))
 
 from translate_speed import ct2_request  # noqa: E402  (bench/: the CPU comparison)
 
-from nmt.checkpoint import FORMAT, save_checkpoint  # noqa: E402
+from nmt.checkpoint import model_payload, save_checkpoint  # noqa: E402
 from nmt.config import DecodeConfig, model_preset  # noqa: E402
 from nmt.model import Transformer  # noqa: E402
+from nmt.score import corpus_scores  # noqa: E402
 from nmt.translate import Translator, translate_stream  # noqa: E402
 from nmt.vocab import Vocab, train_vocab  # noqa: E402
 
@@ -85,15 +85,11 @@ def random_checkpoint(cache: Path, arch: str, vocab_size: int, texts: list[Path]
     cfg = model_preset(arch, vocab_size=len(vocab))
     torch.manual_seed(0)
     model = Transformer(cfg)
-    save_checkpoint({"format": FORMAT, "step": 0, "model_config": cfg.to_dict(),
-                     "vocab": spm.read_bytes(), "model": model.state_dict(),
-                     "meta": {"src_lang": "en", "tgt_lang": "de"}}, path)
+    save_checkpoint(model_payload(step=0, model_config=cfg.to_dict(), vocab=spm.read_bytes(),
+                                  model=model.state_dict(),
+                                  meta={"src_lang": "en", "tgt_lang": "de"}), path)
     return path
 
-
-def bleu(hyps: list[str], refs: list[str]) -> float:
-    """Detokenized sacreBLEU (13a) of `hyps` against the first len(hyps) `refs`."""
-    return round(sacrebleu.corpus_bleu(hyps, [refs[: len(hyps)]]).score, 2)
 
 
 def time_nmt(checkpoint: Path, lines: list[str], refs: list[str], cfg: DecodeConfig,
@@ -117,7 +113,8 @@ def time_nmt(checkpoint: Path, lines: list[str], refs: list[str], cfg: DecodeCon
     row = {"system": "nmt", "precision": precision, "sentences": stats.sentences,
            "tgt_tokens": stats.tgt_tokens, "seconds": seconds,
            "sentences_per_s": stats.sentences / seconds,
-           "tokens_per_s": stats.tgt_tokens / seconds, "bleu": bleu(hyps, refs)}
+           "tokens_per_s": stats.tgt_tokens / seconds,
+           "bleu": corpus_scores(hyps, refs, digits=2)["bleu"]}
     if cuda:
         row["peak_memory_gib"] = torch.cuda.max_memory_allocated(translator.device) / 2 ** 30
     del translator
@@ -136,7 +133,7 @@ def time_ct2(python: str, request: Path, device: str, compute_types: list[str],
     piece_id = {p: i for i, p in enumerate(vocab.pieces(range(len(vocab))))}
     for row in rows.values():
         hyps = vocab.decode([[piece_id[p] for p in h] for h in row.pop("hyps")])
-        row["bleu"] = bleu(hyps, refs)
+        row["bleu"] = corpus_scores(hyps, refs, digits=2)["bleu"]
     return rows, None
 
 

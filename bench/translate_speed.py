@@ -63,18 +63,18 @@ import sys
 import time
 from pathlib import Path
 
-import sacrebleu
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nmt import packed_linear  # noqa: E402
-from nmt.checkpoint import FORMAT, load_model, save_checkpoint  # noqa: E402
+from nmt.checkpoint import load_model, model_payload, save_checkpoint  # noqa: E402
 from nmt.config import DecodeConfig, model_preset  # noqa: E402
 from nmt.errors import UsageError  # noqa: E402
 from nmt.model import Transformer  # noqa: E402
 from nmt.precision import resolve_precision  # noqa: E402
+from nmt.score import corpus_scores  # noqa: E402
 from nmt.translate import Translator, translate_stream  # noqa: E402
 from nmt.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab, train_vocab  # noqa: E402
 
@@ -97,9 +97,9 @@ def build_model(cache: Path, vocab_size: int, seed: int) -> Path:
         cfg = model_preset("small", vocab_size=len(Vocab(proto)))
         torch.manual_seed(seed)
         model = Transformer(cfg)
-        save_checkpoint({"format": FORMAT, "step": 0, "model_config": cfg.to_dict(),
-                         "vocab": proto, "model": model.state_dict(),
-                         "meta": {"src_lang": "en", "tgt_lang": "de"}}, path)
+        save_checkpoint(model_payload(step=0, model_config=cfg.to_dict(), vocab=proto,
+                                      model=model.state_dict(),
+                                      meta={"src_lang": "en", "tgt_lang": "de"}), path)
     return path
 
 
@@ -177,10 +177,6 @@ def export_for_fairseq(model: Transformer, vocab: Vocab, lines: list[str], cfg: 
                            "max_len_b": cfg.max_len_b, "max_tokens": cfg.max_tokens}}, path)
 
 
-def bleu(hyps: list[str], refs: list[str]) -> float:
-    """Detokenized sacreBLEU (13a) of `hyps` against `refs`."""
-    return round(sacrebleu.corpus_bleu(hyps, [refs[: len(hyps)]]).score, 2)
-
 
 def rss_mb() -> float:
     """This process's resident memory now (Linux /proc; 0 elsewhere), MiB."""
@@ -219,7 +215,7 @@ def time_ours(checkpoint: Path, lines: list[str], refs: list[str], cfg: DecodeCo
     os.environ.pop("NMT_PACKED_LINEAR")
     packed_linear.available.cache_clear()
     return {"system": "nmt", "precision": precision, "packed_linears": packed,
-            "bleu": bleu(hyps, refs), "hyps": hyps,
+            "bleu": corpus_scores(hyps, refs, digits=2)["bleu"], "hyps": hyps,
             "resolved_precision": resolve_precision(precision, torch.device("cpu")),
             "sentences": stats.sentences, "tgt_tokens": stats.tgt_tokens,
             "seconds": seconds, "sentences_per_s": stats.sentences / seconds,
@@ -277,7 +273,7 @@ def time_ct2(request: Path, threads: int, vocab: Vocab, refs: list[str], passes:
     piece_id = {p: i for i, p in enumerate(vocab.pieces(range(len(vocab))))}
     for row in rows.values():
         row["hyps"] = vocab.decode([[piece_id[p] for p in h] for h in row["hyps"]])
-        row["bleu"] = bleu(row["hyps"], refs)
+        row["bleu"] = corpus_scores(row["hyps"], refs, digits=2)["bleu"]
     return rows
 
 
@@ -295,7 +291,7 @@ def time_fairseq(checkpoint: Path, lines: list[str], cfg: DecodeConfig, cache: P
         raise SystemExit(f"fairseq side failed:\n{proc.stderr[-3000:]}")
     fair = json.loads(proc.stdout.strip().splitlines()[-1])
     fair["hyps"] = vocab.decode(fair.pop("hyps"))
-    fair["bleu"] = bleu(fair["hyps"], refs)
+    fair["bleu"] = corpus_scores(fair["hyps"], refs, digits=2)["bleu"]
     return fair
 
 

@@ -89,6 +89,12 @@ def command(
     ),
     # --- optimisation ---
     seed: int = typer.Option(None, "--seed", show_default=str(_T.seed), help="Random seed."),
+    lr_schedule: str = typer.Option(
+        None,
+        "--lr-schedule",
+        show_default=_T.lr_schedule,
+        help="Learning-rate schedule; inverse_sqrt: the paper's warm-up then 1/sqrt(step).",
+    ),
     lr_scale: float = typer.Option(
         None,
         "--lr-scale",

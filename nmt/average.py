@@ -15,9 +15,9 @@ import torch
 
 from nmt.checkpoint import (
     BEST,
-    FORMAT,
     LAST,
     load_checkpoint,
+    model_payload,
     model_state,
     save_checkpoint,
     stored_step,
@@ -126,8 +126,8 @@ def average_checkpoints(paths: Sequence[Path], output: Path,
     meta["averaged_from"] = [{"path": str(p), "step": int(pl["step"])}
                              for p, pl in zip(paths, payloads, strict=True)]
     meta["averaged_weights"] = weights
-    result = {"format": FORMAT, "step": int(newest["step"]), "model_config":
-              newest["model_config"], "vocab": newest["vocab"], "model": model, "meta": meta}
+    result = model_payload(step=newest["step"], model_config=newest["model_config"],
+                           vocab=newest["vocab"], model=model, meta=meta)
     Path(output).parent.mkdir(parents=True, exist_ok=True)
     save_checkpoint(result, Path(output))
     return {"output": str(output), "step": result["step"], "inputs": meta["averaged_from"],

@@ -66,6 +66,20 @@ def _torch_save(payload: dict[str, Any], handle: BinaryIO) -> None:
         raise
 
 
+def model_payload(*, step: int, model_config: dict[str, Any], vocab: bytes,
+                  model: dict[str, torch.Tensor], meta: dict[str, Any] | None = None,
+                  **extra: Any) -> dict[str, Any]:
+    """A checkpoint's payload: what every nmt model file holds (REQUIRED_KEYS and its
+    meta), plus `extra` (a training checkpoint's optimizer, schedule, RNG and data state).
+    The one place a payload is put together: training, the best model, averaging and the
+    benches all call it."""
+    clash = extra.keys() & {*REQUIRED_KEYS, "meta"}
+    if clash:
+        raise ValueError(f"extra payload keys {sorted(clash)} would replace required ones")
+    return {"format": FORMAT, "step": int(step), "model_config": model_config, "vocab": vocab,
+            "model": model, "meta": dict(meta or {}), **extra}
+
+
 def save_checkpoint(payload: dict[str, Any], path: Path) -> None:
     """Write `payload` atomically; raises CheckpointError (disk full, no permission)."""
     missing = [k for k in REQUIRED_KEYS if k not in payload]

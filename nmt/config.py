@@ -17,7 +17,11 @@ Precision = Literal["fp32", "bf16", "fp16", "auto"]
 # auto: bf16 where the hardware computes it natively, fp16 on older GPUs, else fp32.
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "auto")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")  # auto: CUDA when a GPU is visible
-BEST_METRICS: tuple[str, ...] = ("loss", "bleu", "chrf")  # loss: lower is better
+# Validation metrics `--best-metric` may track, with the direction that is better.
+BEST_METRICS: dict[str, Literal["lower", "higher"]] = {
+    "loss": "lower", "bleu": "higher", "chrf": "higher"}
+# Learning-rate schedules by name; their builders: nmt/train/schedule.py SCHEDULES.
+LR_SCHEDULES: tuple[str, ...] = ("inverse_sqrt",)  # the paper's (section 5.3)
 # Decoding also offers int8 (CPU only: int8 linear layers, see nmt/int8_linear.py).
 DECODE_PRECISIONS: tuple[str, ...] = (*PRECISIONS, "int8")
 
@@ -109,6 +113,7 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.98
     adam_eps: float = 1e-9
+    lr_schedule: str = "inverse_sqrt"  # see LR_SCHEDULES
     lr_scale: float = 1.0  # multiplies d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
     warmup: int = 4000
     weight_decay: float = 0.0
@@ -155,6 +160,9 @@ class TrainConfig:
         _check_probability("adam_beta2", self.adam_beta2)
         _check_probability("label_smoothing", self.label_smoothing)
         _check_probability("ema_decay", self.ema_decay)
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise UsageError(f"unknown lr schedule {self.lr_schedule!r}; choose one of: "
+                             f"{', '.join(LR_SCHEDULES)}")
         if self.best_metric not in BEST_METRICS:
             raise UsageError(f"unknown best metric {self.best_metric!r}; choose one of: "
                              f"{', '.join(BEST_METRICS)}")

@@ -94,6 +94,17 @@ def sacrebleu_scores(hyps: Sequence[str], refs: Sequence[str],
     return results
 
 
+def corpus_scores(hyps: Sequence[str], refs: Sequence[str],
+                  metrics: Sequence[str] = ("bleu",), digits: int | None = None
+                  ) -> dict[str, float]:
+    """Detokenized sacreBLEU corpus scores by metric name (BLEU with its default 13a
+    tokenizer, chrF, TER) of `hyps` against the first len(hyps) `refs`, rounded to `digits`
+    when given: the one scoring path of validation and the benches (`nmt score` prints the
+    same numbers with their signatures)."""
+    scores = sacrebleu_scores(hyps, list(refs)[: len(hyps)], metrics)
+    return {s.metric: s.score if digits is None else round(s.score, digits) for s in scores}
+
+
 def paper_tokenize(lines: Sequence[str], lang: str) -> list[str]:
     """Moses tokenization (escaped, as tokenizer.perl) plus ##AT## compound splitting."""
     from sacremoses import MosesTokenizer

@@ -40,3 +40,29 @@ def test_schedule_drives_optimizer_and_restores():
     other = InverseSqrtSchedule(build_optimizer([param], cfg, torch.device("cpu")), 512, 4000)
     other.load_state_dict(sched.state_dict())
     assert other.lr == sched.lr
+
+
+def test_schedules_and_metrics_are_chosen_by_name():
+    """The schedule is built from its name (every name in LR_SCHEDULES has a builder; an
+    unknown one is a usage error), and --best-metric's direction comes from BEST_METRICS."""
+    import pytest
+
+    from nmt.config import BEST_METRICS, LR_SCHEDULES
+    from nmt.errors import UsageError
+    from nmt.train.best import BestTracker
+    from nmt.train.schedule import SCHEDULES, build_schedule
+
+    assert set(SCHEDULES) == set(LR_SCHEDULES)
+    cfg = TrainConfig(warmup=100, lr_scale=2.0)
+    param = torch.nn.Parameter(torch.zeros(3))
+    sched = build_schedule(build_optimizer([param], cfg, torch.device("cpu")), 256, cfg)
+    assert sched.lr == inverse_sqrt_lr(1, 256, 100, 2.0)
+    with pytest.raises(UsageError, match="unknown lr schedule 'cosine'"):
+        TrainConfig(lr_schedule="cosine")
+    assert BEST_METRICS == {"loss": "lower", "bleu": "higher", "chrf": "higher"}
+    for metric, direction in BEST_METRICS.items():
+        tracker = BestTracker(metric)
+        assert tracker.observe({metric: 10.0}, 1)
+        assert tracker.observe({metric: 9.0 if direction == "lower" else 11.0}, 2)
+        assert not tracker.observe({metric: 12.0 if direction == "lower" else 8.0}, 3)
+        assert (tracker.best_step, tracker.stale) == (2, 1)

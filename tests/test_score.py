@@ -124,3 +124,17 @@ def test_empty_and_non_utf8_files_are_clear_errors(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "unknown metric" in result.stderr
     result = run("--ref", str(ref), "-i", str(ref), "--metrics", "bleu", "stray")
     assert result.exit_code == 2 and "unknown metric" in result.stderr
+
+
+def test_corpus_scores_is_sacrebleus_corpus_bleu_and_chrf(multi30k_dir) -> None:
+    """The one scoring path of validation and the benches equals sacreBLEU's own corpus
+    functions (13a BLEU, chrF), and scores against the first len(hyps) references."""
+    from nmt.score import corpus_scores
+
+    refs = (multi30k_dir / "test_2016_flickr.de").read_text(encoding="utf-8").splitlines()
+    hyps = [" ".join(line.split()[::-1][:8]) for line in refs[:300]]  # a poor system
+    got = corpus_scores(hyps, refs, ("bleu", "chrf"))
+    assert got == {"bleu": sacrebleu.corpus_bleu(hyps, [refs[:300]]).score,
+                   "chrf": sacrebleu.corpus_chrf(hyps, [refs[:300]]).score}
+    assert corpus_scores(hyps, refs, digits=2)["bleu"] == round(got["bleu"], 2)
+    assert corpus_scores(refs[:50], refs)["bleu"] == pytest.approx(100.0)

@@ -129,3 +129,17 @@ def test_stale_temp_of_a_killed_link_is_removed(tmp_path: Path):
     os.link(tmp_path / "checkpoint_1.pt", stale)  # a save killed between link and rename
     write_checkpoint(_payload(2), tmp_path, keep_last=2)
     assert not stale.exists()
+
+
+def test_model_payload_is_the_one_constructor_of_checkpoints():
+    """Training checkpoints, the best model, averages and the benches' models are all
+    put together by model_payload: the required keys, meta, then the extras; an extra that
+    would replace a required key is a bug, refused."""
+    from nmt.checkpoint import FORMAT, REQUIRED_KEYS, model_payload
+
+    payload = model_payload(step=7, model_config={"d_model": 8}, vocab=b"spm",
+                            model={"w": torch.zeros(1)}, optimizer={"state": {}})
+    assert payload["format"] == FORMAT and payload["step"] == 7 and payload["meta"] == {}
+    assert set(REQUIRED_KEYS) <= payload.keys() and payload["optimizer"] == {"state": {}}
+    with pytest.raises(ValueError, match="would replace required ones"):
+        model_payload(step=1, model_config={}, vocab=b"", model={}, format="other")

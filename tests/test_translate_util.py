@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from nmt.checkpoint import FORMAT, save_checkpoint
+from nmt.checkpoint import model_payload, save_checkpoint
 from nmt.config import model_preset
 from nmt.model import Transformer
 from nmt.vocab import train_vocab
@@ -52,9 +52,9 @@ def make_checkpoint(spm_model: Path, path: Path, seed: int = 0, step: int = 100,
     # and the output depends clearly on the input.
     with torch.no_grad():
         model.embed.weight.mul_(4.0)
-    payload = {"format": FORMAT, "step": step, "model_config": cfg.to_dict(), "vocab": proto,
-               "model": model.state_dict(),
-               "meta": {"src_lang": "en", "tgt_lang": "de", "data_dir": "test"}}
+    payload = model_payload(step=step, model_config=cfg.to_dict(), vocab=proto,
+                            model=model.state_dict(),
+                            meta={"src_lang": "en", "tgt_lang": "de", "data_dir": "test"})
     save_checkpoint(payload, path)
     return path
 

@@ -1,16 +1,19 @@
 """The best validation score so far and early stopping (`--best-metric`, `--patience`).
 
-Each validation either improves on the best score of `--best-metric` (loss: lower is
-better; bleu, chrf: higher) or counts as one more validation without improvement; with
-`--patience N` training stops after N of those in a row (fairseq's `--patience`, Marian's
-`--early-stopping`). The tracker's state is saved in every checkpoint, so a run killed and
-resumed stops at the same update, with the same best model, as one never killed.
+Each validation either improves on the best score of `--best-metric` (which direction is
+better comes from nmt.config.BEST_METRICS: loss lower, bleu and chrf higher) or counts as
+one more validation without improvement; with `--patience N` training stops after N of
+those in a row (fairseq's `--patience`, Marian's `--early-stopping`). The tracker's state
+is saved in every checkpoint, so a run killed and resumed stops at the same update, with
+the same best model, as one never killed.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from nmt.config import BEST_METRICS
 
 
 @dataclass
@@ -26,8 +29,8 @@ class BestTracker:
     def observe(self, metrics: dict[str, float], step: int) -> bool:
         """Record a validation; True when it improves on the best so far."""
         score = metrics[self.metric]
-        better = self.best is None or (
-            score < self.best if self.metric == "loss" else score > self.best)
+        higher = BEST_METRICS[self.metric] == "higher"
+        better = self.best is None or (score > self.best if higher else score < self.best)
         if better:
             self.best, self.best_step, self.stale = score, step, 0
         else:

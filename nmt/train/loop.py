@@ -40,7 +40,13 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from nmt.checkpoint import BEST, FORMAT, load_checkpoint, model_state, save_checkpoint
+from nmt.checkpoint import (
+    BEST,
+    load_checkpoint,
+    model_payload,
+    model_state,
+    save_checkpoint,
+)
 from nmt.config import ModelConfig, TrainConfig
 from nmt.data.dataset import ParallelData, corpus_ranges, load_vocab
 from nmt.device import allow_tf32, resolve_device, set_cuda_allocator_default
@@ -63,7 +69,7 @@ from nmt.train.log import JsonlLog, PlainReporter, TrainReporter, warn_line
 from nmt.train.loss import label_smoothed_nll, projected_smoothed_loss
 from nmt.train.prefetch import Prefetcher
 from nmt.train.sampling import EpochBatches
-from nmt.train.schedule import InverseSqrtSchedule, build_optimizer, total_norm
+from nmt.train.schedule import build_optimizer, build_schedule, total_norm
 from nmt.train.state import (
     LAST,
     DataState,
@@ -268,8 +274,7 @@ class Trainer:
         self.model = Transformer(self.model_cfg).to(self.device)
         _seed_everything(cfg.seed + self.env.rank)  # own dropout stream per rank
         self.optimizer = build_optimizer(self.model.parameters(), cfg, self.device)
-        self.schedule = InverseSqrtSchedule(self.optimizer, self.model_cfg.d_model,
-                                            cfg.warmup, cfg.lr_scale)
+        self.schedule = build_schedule(self.optimizer, self.model_cfg.d_model, cfg)
         # `auto` becomes bf16/fp16/fp32 for this device (logged at start).
         self.precision = resolve_precision(cfg.precision, self.device)
         # An explicit bf16/fp16 on a CPU that emulates it: named with its measured cost.
@@ -644,12 +649,12 @@ class Trainer:
     def _save_best(self, metrics: dict[str, float]) -> None:
         """RUN/checkpoint_best.pt, atomically: the weights just validated (a model file
         for translate, average or --init-from; training resumes from checkpoint_last)."""
-        payload = {"format": FORMAT, "step": self.step,
-                   "model_config": self.model_cfg.to_dict(), "vocab": self.vocab.proto,
-                   "model": self.model.state_dict(),
-                   "meta": {**self.meta, "best": {"metric": self.best.metric,
-                                                  "score": metrics[self.best.metric],
-                                                  "ema": self.ema is not None}}}
+        payload = model_payload(
+            step=self.step, model_config=self.model_cfg.to_dict(), vocab=self.vocab.proto,
+            model=self.model.state_dict(),
+            meta={**self.meta, "best": {"metric": self.best.metric,
+                                        "score": metrics[self.best.metric],
+                                        "ema": self.ema is not None}})
         save_checkpoint(payload, self.run_dir / BEST)
 
 

@@ -1,13 +1,16 @@
-"""The paper's learning-rate schedule (section 5.3) and the Adam optimiser it drives.
+"""Learning-rate schedules by name (SCHEDULES, `--lr-schedule`) and the Adam optimiser
+they drive.
 
-lr(step) = lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5): linear warm-up for
-`warmup` updates, then inverse square root decay. Steps count from 1.
+The paper's (section 5.3), `inverse_sqrt`: lr(step) = lr_scale * d_model^-0.5 *
+min(step^-0.5, step * warmup^-1.5), linear warm-up for `warmup` updates, then inverse
+square root decay. Steps count from 1. A new schedule is a class with the `Schedule`
+methods and one SCHEDULES entry (its name also in nmt.config.LR_SCHEDULES).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -56,6 +59,33 @@ class InverseSqrtSchedule:
         """Restore the update count (the shape parameters come from the current config)."""
         self.step_count = int(state["step_count"])
         self._apply()
+
+
+class Schedule(Protocol):
+    """What the trainer needs of a schedule: the next lr, a step per successful update,
+    and plain state for checkpoints."""
+
+    @property
+    def lr(self) -> float: ...
+
+    def step(self) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+# name -> builder(optimizer, d_model, train config); the names are nmt.config.LR_SCHEDULES.
+SCHEDULES: dict[str, Callable[[torch.optim.Optimizer, int, TrainConfig], Schedule]] = {
+    "inverse_sqrt": lambda optimizer, d_model, cfg: InverseSqrtSchedule(
+        optimizer, d_model, cfg.warmup, cfg.lr_scale),
+}
+
+
+def build_schedule(optimizer: torch.optim.Optimizer, d_model: int, cfg: TrainConfig
+                   ) -> Schedule:
+    """The schedule `cfg.lr_schedule` names, driving `optimizer`'s learning rate."""
+    return SCHEDULES[cfg.lr_schedule](optimizer, d_model, cfg)
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig,

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nmt.checkpoint import BEST, FORMAT, LAST, save_checkpoint, stored_step
+from nmt.checkpoint import BEST, LAST, model_payload, save_checkpoint, stored_step
 from nmt.errors import CheckpointError
 from nmt.fileio import atomic_output, atomic_write_bytes, remove_stale_temps
 
@@ -79,21 +79,11 @@ def build_payload(*, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                   train_config: dict, vocab: bytes, meta: dict[str, Any],
                   elapsed_seconds: float) -> dict[str, Any]:
     """The full training checkpoint (see nmt/checkpoint.py for the required keys)."""
-    return {
-        "format": FORMAT,
-        "step": int(step),
-        "model_config": model_config,
-        "vocab": vocab,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict(),
-        "rng": rng,
-        "data_state": data_state.to_dict(),
-        "train_config": train_config,
-        "elapsed_seconds": float(elapsed_seconds),
-        "meta": meta,
-    }
+    return model_payload(
+        step=step, model_config=model_config, vocab=vocab, model=model.state_dict(),
+        meta=meta, optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(),
+        scaler=scaler.state_dict(), rng=rng, data_state=data_state.to_dict(),
+        train_config=train_config, elapsed_seconds=float(elapsed_seconds))
 
 
 def write_checkpoint(payload: dict[str, Any], run_dir: Path, keep_last: int) -> Path:

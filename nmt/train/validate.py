@@ -64,9 +64,8 @@ def decode_scores(model: torch.nn.Module, data: ParallelData, vocab: Vocab, cfg:
     settings (beam 4, alpha 0.6, source + 50), --valid-beam to change the beam (1:
     greedy). Batches of --max-tokens source tokens, shrunk by the beam so the decoder
     holds about as many rows as a training batch."""
-    import sacrebleu
-
     from nmt.decoding import search_ids
+    from nmt.score import corpus_scores
 
     search = DecodeConfig(beam=cfg.valid_beam or DecodeConfig().beam)
 
@@ -86,5 +85,4 @@ def decode_scores(model: torch.nn.Module, data: ParallelData, vocab: Vocab, cfg:
         refs = ref_path.read_text(encoding="utf-8").splitlines()[:n]
     else:
         refs = vocab.decode([data.tgt[i].tolist() for i in range(n)])
-    return {"bleu": float(sacrebleu.corpus_bleu(hyps, [refs]).score),
-            "chrf": float(sacrebleu.corpus_chrf(hyps, [refs]).score)}
+    return corpus_scores(hyps, refs, ("bleu", "chrf"))
