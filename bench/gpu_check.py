@@ -313,22 +313,28 @@ def check_host_syncs(setup: Setup, runs: Path) -> Check:
 
 
 def check_big_memory(setup: Setup) -> Check:
-    """Peak GPU memory of big training updates at the WMT recipe's per-GPU max_tokens."""
+    """Peak GPU memory of big training updates at the WMT recipe's per-GPU max_tokens:
+    `train_step` + `apply_update` as `nmt train` runs them on a GPU (the chunked projected
+    loss: no whole (rows, vocab) logits)."""
     if setup.device == "cpu":
         return Check("big_memory", "n/a", detail="peak GPU memory: needs a GPU")
     import torch
 
     from nmt.config import TrainConfig, model_preset
+    from nmt.data.batching import Batch
     from nmt.model import Transformer
-    from nmt.precision import autocast
+    from nmt.precision import grad_scaler
     from nmt.recipes import load_recipe
-    from nmt.train.loss import label_smoothed_nll
+    from nmt.train.feed import Micro
     from nmt.train.schedule import build_optimizer
+    from nmt.train.step import LossOptions, apply_update, train_step
 
     max_tokens = int(load_recipe("wmt14-en-de").training["max_tokens"])
     device = torch.device(setup.device)
     model = Transformer(model_preset("big", vocab_size=37000)).to(device)
     optimizer = build_optimizer(model.parameters(), TrainConfig(), device)
+    scaler = grad_scaler(device, enabled=False)
+    loss = LossOptions(label_smoothing=0.1, pad_id=model.cfg.pad_id, fused=True)
     peaks = {}
     for length in (32, 256):
         rows = max_tokens // length
@@ -336,12 +342,11 @@ def check_big_memory(setup: Setup) -> Check:
         for _ in range(2):
             src = torch.randint(4, 37000, (rows, length), device=device)
             tgt = torch.randint(4, 37000, (rows, length), device=device)
-            with autocast(device, "bf16"):
-                logits = model(src, tgt, has_pad=False)
-                loss, _ = label_smoothed_nll(logits, tgt, 0.1, 0)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            micro = Micro(Batch(src, tgt, tgt, rows * length, rows * length), has_pad=False,
+                          select=None, target=tgt)
+            train_step(model, model, [micro], tgt_tokens=rows * length, optimizer=optimizer,
+                       scaler=scaler, precision="bf16", loss=loss)
+            apply_update(optimizer, scaler, None, "bf16", finite=True)
         torch.cuda.synchronize()
         peaks[length] = (torch.cuda.max_memory_allocated() / 2 ** 30,
                          torch.cuda.max_memory_reserved() / 2 ** 30)

@@ -1,16 +1,18 @@
 """Training throughput and MFU of `base` / `big` on one GPU, synthetic WMT-length batches.
 
-What one timed update runs (the hot path of nmt/train/loop.py, with batches collated
-ahead as a prefetching loop would have them): for each of the update's micro-batches, the
-host-to-device copy, the real `Transformer` (`--arch` preset, vocabulary 37,000, shared
-embeddings, dropout as the preset) under autocast (`--precision`, bf16 by default), only the
-non-PAD target rows projected, the label-smoothed loss (eps 0.1) and backward; then Adam
-from `nmt.train.schedule.build_optimizer` (fused on CUDA) with the paper's schedule.
+What one timed update runs: `train_step` and `apply_update` (nmt/train/step.py), the
+functions `nmt train` runs, with batches collated ahead as a prefetching loop would have
+them: for each of the update's micro-batches, the host-to-device copy, the real
+`Transformer` (`--arch` preset, vocabulary 37,000, shared embeddings, dropout as the
+preset) under autocast (`--precision`, bf16 by default), only the
+non-PAD target rows projected, the label-smoothed loss (eps 0.1) and backward, the
+gradient norm; then Adam from `nmt.train.schedule.build_optimizer` (fused on CUDA) with the
+paper's schedule (the Trainer's finiteness check is left out: it is the update's host sync).
 `--loss reference` is today's path (`model(..., select=rows)` logits +
 `label_smoothed_nll`); `--loss fused` projects the decoder features with the chunked
 `projected_smoothed_loss` (no (rows, V) tensor), `--loss fused-compiled` the same with its
-per-chunk softmax and gradient kernels torch.compile'd. `--compile` wraps the model (or, for
-`fused`, its features-only forward) in `torch.compile`; warm-up updates absorb compilation.
+per-chunk softmax and gradient kernels torch.compile'd. `--compile` wraps the model in
+`torch.compile`; warm-up updates absorb compilation.
 
 Batches: source lengths drawn log-normally like WMT14 En-De BPE pieces (mean about 27,
 long tail cut at 255 so pairs fit `max_len` 256 with EOS), target length = source x a
@@ -58,16 +60,13 @@ from nmt.config import TrainConfig, model_preset  # noqa: E402
 from nmt.data.batching import Batch, batch_by_tokens, collate  # noqa: E402
 from nmt.device import allow_tf32, resolve_device  # noqa: E402
 from nmt.model import Transformer  # noqa: E402
-from nmt.precision import autocast, grad_scaler  # noqa: E402
+from nmt.precision import grad_scaler  # noqa: E402
 from nmt.recipes import load_recipe  # noqa: E402
+from nmt.train.feed import Micro  # noqa: E402
 from nmt.train.loop import derive_batching  # noqa: E402
-from nmt.train.loss import (  # noqa: E402
-    DEFAULT_CHUNK_ROWS,
-    label_smoothed_nll,
-    projected_smoothed_loss,
-    target_positions,
-)
+from nmt.train.loss import DEFAULT_CHUNK_ROWS, target_positions  # noqa: E402
 from nmt.train.schedule import Schedule, build_optimizer, build_schedule  # noqa: E402
+from nmt.train.step import LossOptions, apply_update, train_step  # noqa: E402
 
 # Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s, from NVIDIA's datasheets: H100
 # SXM 1,979 and H100 PCIe 1,513 "with sparsity" (H100 Tensor Core GPU datasheet), H200
@@ -96,22 +95,6 @@ class HostBatch:
     has_pad: bool
     src_lens: np.ndarray  # non-PAD tokens per row, EOS included
     tgt_lens: np.ndarray
-
-
-class FeatureHead(nn.Module):
-    """The model's teacher-forced forward up to the output projection: decoder features of
-    the selected rows (n, d_model). The hook `--loss fused` needs from the model."""
-
-    def __init__(self, model: Transformer) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, src: Tensor, tgt_in: Tensor, has_pad: bool,
-                select: Tensor | None) -> Tensor:
-        enc = self.model.encode(src, has_pad=has_pad)
-        features = self.model.decode_features(tgt_in, enc)  # (batch, tgt_len, d_model)
-        flat = features.reshape(-1, features.size(-1))  # (batch * tgt_len, d_model)
-        return flat if select is None else flat.index_select(0, select)  # (n, d_model)
 
 
 def wmt_lengths(n: int, rng: np.random.Generator, mean: float = MEAN_PIECES,
@@ -194,36 +177,31 @@ def train_update(micro: list[HostBatch], net: nn.Module, model: Transformer,
                  opt: argparse.Namespace, device: torch.device, precision: str,
                  optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                  schedule: Schedule) -> Tensor:
-    """One update over `micro`; returns the loss sum as a device scalar (no host sync)."""
+    """One update over `micro` through `train_step` and `apply_update` (what `nmt train`
+    runs); returns the mean token loss as a device scalar (no host sync: the update is
+    applied as finite, the Trainer's check needs the sync this bench leaves out)."""
     tokens = sum(int(hb.tgt_lens.sum()) for hb in micro)
+    loss = LossOptions(LABEL_SMOOTHING, model.cfg.pad_id, fused=opt.loss != "reference",
+                       chunk_rows=opt.chunk_rows, compiled=opt.loss == "fused-compiled")
+    step = train_step(net, model, [on_device(hb, device) for hb in micro], tgt_tokens=tokens,
+                      optimizer=optimizer, scaler=scaler, precision=precision, loss=loss)
+    apply_update(optimizer, scaler, schedule, precision, finite=True)
+    return step.loss_sum / tokens
+
+
+def on_device(hb: HostBatch, device: torch.device) -> Micro:
+    """The micro-batch as the Trainer's feed hands it over: tensors on `device`, the real
+    target positions selected."""
     nb = device.type == "cuda"
-    loss_sum = torch.zeros((), device=device)
-    for hb in micro:
-        src = hb.batch.src.to(device, non_blocking=nb)
-        tgt_in = hb.batch.tgt_in.to(device, non_blocking=nb)
-        tgt_out = hb.batch.tgt_out.to(device, non_blocking=nb)
-        select = None if hb.select is None else \
-            torch.from_numpy(hb.select).to(device, non_blocking=nb)  # (n_real,)
-        target = tgt_out.reshape(-1) if select is None else \
-            tgt_out.reshape(-1).index_select(0, select)  # (n_real,)
-        with autocast(device, precision):
-            if opt.loss != "reference":
-                rows = net(src, tgt_in, hb.has_pad, select)  # (n_real, d_model)
-                loss, _ = projected_smoothed_loss(rows, model.output_weight, target,
-                                                  LABEL_SMOOTHING, pad_id=model.cfg.pad_id,
-                                                  chunk_rows=opt.chunk_rows,
-                                                  compiled=opt.loss == "fused-compiled")
-            else:
-                logits = net(src, tgt_in, has_pad=hb.has_pad, select=select)  # (n_real, V)
-                loss, _ = label_smoothed_nll(logits, target, LABEL_SMOOTHING,
-                                             model.cfg.pad_id)
-        scaler.scale(loss * (1.0 / tokens)).backward()
-        loss_sum += loss.detach()
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    schedule.step()
-    return loss_sum / tokens
+    src = hb.batch.src.to(device, non_blocking=nb)
+    tgt_in = hb.batch.tgt_in.to(device, non_blocking=nb)
+    tgt_out = hb.batch.tgt_out.to(device, non_blocking=nb)
+    select = None if hb.select is None else \
+        torch.from_numpy(hb.select).to(device, non_blocking=nb)  # (n_real,)
+    target = tgt_out.reshape(-1) if select is None else \
+        tgt_out.reshape(-1).index_select(0, select)  # (n_real,)
+    batch = Batch(src, tgt_in, tgt_out, hb.batch.src_tokens, hb.batch.tgt_tokens)
+    return Micro(batch, has_pad=hb.has_pad, select=select, target=target)
 
 
 def sync(device: torch.device) -> None:
@@ -246,7 +224,7 @@ def run(opt: argparse.Namespace) -> dict:
     optimizer = build_optimizer(model.parameters(), train_cfg, device)
     schedule = build_schedule(optimizer, cfg.d_model, train_cfg)
     scaler = grad_scaler(device, enabled=precision == "fp16")
-    net: nn.Module = model if opt.loss == "reference" else FeatureHead(model)
+    net: nn.Module = model
     if opt.compile:
         net = torch.compile(net)
     batches = make_batches((opt.warmup + opt.steps) * update_freq, opt.max_tokens, opt.vocab,

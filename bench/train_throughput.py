@@ -84,15 +84,19 @@ def summarize(toolkit: str, tokens: list[int], cpu: list[float], wall: list[floa
 
 def nmt_child(batches: str, shape: dict, threads: int, precision: str, warmup: int,
               count: int) -> dict:
-    """Time nmt's training update: the micro-batch code of nmt/train/loop.py."""
+    """Time nmt's training update: `train_step` and `apply_update` (nmt/train/step.py),
+    the functions `nmt train` runs, on CPU (logits projected, as the Trainer does there)."""
     import torch
 
     from nmt.config import ModelConfig, TrainConfig
+    from nmt.data.batching import Batch
     from nmt.host_memory import keep_freed_memory
     from nmt.model import Transformer
-    from nmt.precision import autocast
-    from nmt.train.loss import label_smoothed_nll, target_positions
+    from nmt.precision import grad_scaler
+    from nmt.train.feed import Micro
+    from nmt.train.loss import target_positions
     from nmt.train.schedule import build_optimizer
+    from nmt.train.step import LossOptions, apply_update, train_step
 
     keep_freed_memory()  # as Trainer does on CPU
     torch.set_num_threads(threads)
@@ -105,7 +109,9 @@ def nmt_child(batches: str, shape: dict, threads: int, precision: str, warmup: i
     model = Transformer(cfg).train()
     optimizer = build_optimizer(model.parameters(), TrainConfig(), device)
     for group in optimizer.param_groups:
-        group["lr"] = 1e-4
+        group["lr"] = 1e-4  # fixed: the schedule's cost is nil, its warm-up would stall Adam
+    scaler = grad_scaler(device, enabled=False)
+    loss = LossOptions(label_smoothing=0.1, pad_id=cfg.pad_id)
     tokens, cpu, wall = [], [], []
     for i in range(min(int(data["count"]), warmup + count)):
         src_np, tgt_out_np = data[f"src{i}"], data[f"tgt_out{i}"]
@@ -119,13 +125,13 @@ def nmt_child(batches: str, shape: dict, threads: int, precision: str, warmup: i
         rows = target_positions(tgt_lens, tgt_out.size(1))
         select = None if rows is None else torch.from_numpy(rows)
         target = tgt_out if select is None else tgt_out.reshape(-1).index_select(0, select)
-        with autocast(device, precision):
-            logits = model(src, tgt_in, has_pad=bool(src_lens.min() != src_lens.max()),
-                           select=select)
-            loss, _ = label_smoothed_nll(logits, target, 0.1, 0)
-        (loss * (1.0 / ntok)).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        micro = Micro(Batch(src, tgt_in, tgt_out, int(src_lens.sum()), ntok),
+                      has_pad=bool(src_lens.min() != src_lens.max()), select=select,
+                      target=target)
+        step = train_step(model, model, [micro], tgt_tokens=ntok, optimizer=optimizer,
+                          scaler=scaler, precision=precision, loss=loss)
+        finite = bool(torch.isfinite(step.loss_sum) & torch.isfinite(step.grad_norm))
+        apply_update(optimizer, scaler, None, precision, finite)
         c1, w1 = time.process_time(), time.perf_counter()
         if i >= warmup:
             tokens.append(int(src_lens.sum()) + ntok)

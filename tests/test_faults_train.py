@@ -353,9 +353,9 @@ def _poison_forward(monkeypatch, bad_calls: set[int], value: float) -> list[int]
 def _poison_loss(monkeypatch, bad_calls: set[int]) -> list[int]:
     """Make the training loss +inf on the given 1-based calls (its gradient is then
     inf/NaN too)."""
-    import nmt.train.loop as loop
+    import nmt.train.step as step  # the training update calls the loss from there
 
-    real = loop.label_smoothed_nll
+    real = step.label_smoothed_nll
     calls = [0]
 
     def loss_fn(*args, **kwargs):
@@ -363,7 +363,7 @@ def _poison_loss(monkeypatch, bad_calls: set[int]) -> list[int]:
         loss, nll = real(*args, **kwargs)
         return (loss * float("inf"), nll) if calls[0] in bad_calls else (loss, nll)
 
-    monkeypatch.setattr(loop, "label_smoothed_nll", loss_fn)
+    monkeypatch.setattr(step, "label_smoothed_nll", loss_fn)
     return calls
 
 

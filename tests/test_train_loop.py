@@ -9,6 +9,7 @@ import torch
 from test_train_fixtures import make_copy_data
 
 import nmt.train.loop as loop
+import nmt.train.step as step
 from nmt.checkpoint import load_checkpoint
 from nmt.config import TrainConfig, model_preset
 from nmt.errors import CheckpointError, TrainingAborted
@@ -88,17 +89,17 @@ def test_mixed_precision_step_on_cpu(copy_data, tmp_path, precision):
 def test_nonfinite_loss_never_reaches_weights(copy_data, tmp_path, monkeypatch):
     train(copy_data, tmp_path / "r", MODEL, _cfg(max_updates=2), "cpu", progress=False)
     before = _weights(tmp_path / "r")
-    real = loop.label_smoothed_nll
+    real = step.label_smoothed_nll  # the training update calls the loss from there
 
     def poisoned(logits, target, eps, pad):
         loss, nll = real(logits, target, eps, pad)
         return loss * float("nan"), nll
 
-    monkeypatch.setattr(loop, "label_smoothed_nll", poisoned)
+    monkeypatch.setattr(step, "label_smoothed_nll", poisoned)
     with pytest.raises(TrainingAborted, match="in a row"):
         train(copy_data, tmp_path / "r", MODEL, _cfg(max_updates=4, max_nonfinite_in_a_row=3),
               "cpu", progress=False)
-    monkeypatch.setattr(loop, "label_smoothed_nll", real)
+    monkeypatch.setattr(step, "label_smoothed_nll", real)
     after = _weights(tmp_path / "r")
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert load_checkpoint(tmp_path / "r" / "checkpoint_last.pt")["step"] == 2

@@ -53,7 +53,7 @@ from nmt.device import allow_tf32, resolve_device, set_cuda_allocator_default
 from nmt.errors import CheckpointError, DistributedError, NmtError, TrainingAborted, UsageError
 from nmt.host_memory import keep_freed_memory, limit_onednn_cache
 from nmt.model import Transformer
-from nmt.precision import autocast, emulation_note, grad_scaler, resolve_precision
+from nmt.precision import emulation_note, grad_scaler, resolve_precision
 from nmt.train.best import BestTracker
 from nmt.train.distributed import (
     DistEnv,
@@ -66,10 +66,9 @@ from nmt.train.ema import WeightAverage
 from nmt.train.feed import Micro, TrainFeed, Update
 from nmt.train.init_from import check_init_from
 from nmt.train.log import JsonlLog, PlainReporter, TrainReporter, warn_line
-from nmt.train.loss import label_smoothed_nll, projected_smoothed_loss
 from nmt.train.prefetch import Prefetcher
 from nmt.train.sampling import EpochBatches
-from nmt.train.schedule import build_optimizer, build_schedule, total_norm
+from nmt.train.schedule import build_optimizer, build_schedule
 from nmt.train.state import (
     LAST,
     DataState,
@@ -78,6 +77,7 @@ from nmt.train.state import (
     restore_training,
     write_checkpoint,
 )
+from nmt.train.step import LossOptions, apply_update, train_step
 from nmt.train.validate import validate
 
 
@@ -212,6 +212,8 @@ class Trainer:
         # Output projection + loss chunked over rows, never the whole (rows, vocab) logits
         # (CUDA only: on a CPU the recomputed logits cost 1.3x at base shapes; see loss.py).
         self.fused_loss = self.device.type == "cuda"
+        self.loss_options = LossOptions(train_cfg.label_smoothing, self.model_cfg.pad_id,
+                                        fused=self.fused_loss)
         self.step = 0
         self.data_state = DataState()
         self.elapsed_before = 0.0
@@ -383,7 +385,7 @@ class Trainer:
 
     def _train_update(self, micro: list[Callable[[], Micro]], all_batches: list[np.ndarray],
                       flags: list[float]) -> tuple[float, float, float, list[float], int, int]:
-        """Forward/backward over the micro-batches, then one synced check and maybe a step.
+        """`train_step` over the micro-batches, then the update's one host sync.
 
         Returns (loss sum, nll sum, grad norm, rank-0 flags, target tokens, src+tgt tokens),
         all global over ranks.
@@ -391,40 +393,16 @@ class Trainer:
         all_ids = np.concatenate(all_batches)
         tgt_tokens = int(self.feed.tgt_cost[all_ids].sum())
         src_tgt_tokens = tgt_tokens + int(self.feed.src_cost[all_ids].sum())
-        scale = self.env.world_size / tgt_tokens
-        loss_sum = torch.zeros((), device=self.device)
-        nll_sum = torch.zeros((), device=self.device)
-        self.net.train()
-        for i, get in enumerate(micro):
-            mb = get()
-            last = i == len(micro) - 1
-            sync = contextlib.nullcontext() if last or not self.env.active else self.net.no_sync()
-            with sync:
-                with autocast(self.device, self.precision):
-                    out = self.net(mb.batch.src, mb.batch.tgt_in, has_pad=mb.has_pad,
-                                   select=mb.select, project=not self.fused_loss)
-                    if self.fused_loss:  # out: decoder states, projected chunk by chunk
-                        loss, nll = projected_smoothed_loss(
-                            out, self.model.output_weight, mb.target.reshape(-1),
-                            self.cfg.label_smoothing, pad_id=self.model_cfg.pad_id)
-                    else:  # out: logits
-                        loss, nll = label_smoothed_nll(out, mb.target,
-                                                       self.cfg.label_smoothing,
-                                                       self.model_cfg.pad_id)
-                self.scaler.scale(loss * scale).backward()
-            loss_sum += loss.detach()
-            nll_sum += nll
-        self.scaler.unscale_(self.optimizer)
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.cfg.clip_norm > 0:
-            gnorm = torch.nn.utils.clip_grad_norm_(params, self.cfg.clip_norm)
-        else:
-            gnorm = total_norm([p.grad for p in params])
-        stats = torch.stack([loss_sum, nll_sum])
+        step = train_step(self.net, self.model, micro, tgt_tokens=tgt_tokens,
+                          optimizer=self.optimizer, scaler=self.scaler,
+                          precision=self.precision, loss=self.loss_options,
+                          world_size=self.env.world_size, clip_norm=self.cfg.clip_norm)
+        stats = torch.stack([step.loss_sum, step.nll_sum])
         if self.env.active:  # flags are non-zero on rank 0 only: the sum is rank 0's value
             stats = torch.cat([stats, self._flags_on_device(flags)])
             torch.distributed.all_reduce(stats)
-        values = torch.cat([stats, gnorm.float().reshape(1).to(stats.device)]).tolist()  # sync
+        gnorm = step.grad_norm.float().reshape(1).to(stats.device)
+        values = torch.cat([stats, gnorm]).tolist()  # the one host sync of the update
         got_flags = values[2:-1] if self.env.active else flags
         return (values[0], values[1], values[-1], got_flags, tgt_tokens, src_tgt_tokens)
 
@@ -440,16 +418,8 @@ class Trainer:
         return self._flag_buffer.to(self.device, non_blocking=True)
 
     def _apply_update(self, finite: bool) -> None:
-        if self.precision == "fp16":
-            self.scaler.step(self.optimizer)  # skips by itself when grads overflowed
-            self.scaler.update()
-        elif finite:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if finite:
-            self.schedule.step()
-            if self.ema is not None:
-                self.ema.update()
+        apply_update(self.optimizer, self.scaler, self.schedule, self.precision, finite,
+                     self.ema)
 
     # ----- checkpoints -----
 
