@@ -325,7 +325,7 @@ def check_big_memory(setup: Setup) -> Check:
     from nmt.model import Transformer
     from nmt.precision import grad_scaler
     from nmt.recipes import load_recipe
-    from nmt.train.feed import Micro
+    from nmt.train.feed import to_device
     from nmt.train.schedule import build_optimizer
     from nmt.train.step import LossOptions, apply_update, train_step
 
@@ -342,8 +342,8 @@ def check_big_memory(setup: Setup) -> Check:
         for _ in range(2):
             src = torch.randint(4, 37000, (rows, length), device=device)
             tgt = torch.randint(4, 37000, (rows, length), device=device)
-            micro = Micro(Batch(src, tgt, tgt, rows * length, rows * length), has_pad=False,
-                          select=None, target=tgt)
+            batch = Batch(src, tgt, tgt, rows * length, rows * length)
+            micro = to_device(batch, has_pad=False, select=None, device=device)  # no padding
             train_step(model, model, [micro], tgt_tokens=rows * length, optimizer=optimizer,
                        scaler=scaler, precision="bf16", loss=loss)
             apply_update(optimizer, scaler, None, "bf16", finite=True)

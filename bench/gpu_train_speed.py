@@ -62,7 +62,7 @@ from nmt.device import allow_tf32, resolve_device  # noqa: E402
 from nmt.model import Transformer  # noqa: E402
 from nmt.precision import grad_scaler  # noqa: E402
 from nmt.recipes import load_recipe  # noqa: E402
-from nmt.train.feed import Micro  # noqa: E402
+from nmt.train.feed import to_device  # noqa: E402
 from nmt.train.loop import derive_batching  # noqa: E402
 from nmt.train.loss import DEFAULT_CHUNK_ROWS, target_positions  # noqa: E402
 from nmt.train.schedule import Schedule, build_optimizer, build_schedule  # noqa: E402
@@ -183,25 +183,13 @@ def train_update(micro: list[HostBatch], net: nn.Module, model: Transformer,
     tokens = sum(int(hb.tgt_lens.sum()) for hb in micro)
     loss = LossOptions(LABEL_SMOOTHING, model.cfg.pad_id, fused=opt.loss != "reference",
                        chunk_rows=opt.chunk_rows, compiled=opt.loss == "fused-compiled")
-    step = train_step(net, model, [on_device(hb, device) for hb in micro], tgt_tokens=tokens,
+    on_device = [to_device(hb.batch, hb.has_pad,
+                           None if hb.select is None else torch.from_numpy(hb.select), device)
+                 for hb in micro]  # as the Trainer's feed hands them over
+    step = train_step(net, model, on_device, tgt_tokens=tokens,
                       optimizer=optimizer, scaler=scaler, precision=precision, loss=loss)
     apply_update(optimizer, scaler, schedule, precision, finite=True)
     return step.loss_sum / tokens
-
-
-def on_device(hb: HostBatch, device: torch.device) -> Micro:
-    """The micro-batch as the Trainer's feed hands it over: tensors on `device`, the real
-    target positions selected."""
-    nb = device.type == "cuda"
-    src = hb.batch.src.to(device, non_blocking=nb)
-    tgt_in = hb.batch.tgt_in.to(device, non_blocking=nb)
-    tgt_out = hb.batch.tgt_out.to(device, non_blocking=nb)
-    select = None if hb.select is None else \
-        torch.from_numpy(hb.select).to(device, non_blocking=nb)  # (n_real,)
-    target = tgt_out.reshape(-1) if select is None else \
-        tgt_out.reshape(-1).index_select(0, select)  # (n_real,)
-    batch = Batch(src, tgt_in, tgt_out, hb.batch.src_tokens, hb.batch.tgt_tokens)
-    return Micro(batch, has_pad=hb.has_pad, select=select, target=target)
 
 
 def sync(device: torch.device) -> None:

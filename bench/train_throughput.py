@@ -93,8 +93,7 @@ def nmt_child(batches: str, shape: dict, threads: int, precision: str, warmup: i
     from nmt.host_memory import keep_freed_memory
     from nmt.model import Transformer
     from nmt.precision import grad_scaler
-    from nmt.train.feed import Micro
-    from nmt.train.loss import target_positions
+    from nmt.train.feed import host_selection, to_device
     from nmt.train.schedule import build_optimizer
     from nmt.train.step import LossOptions, apply_update, train_step
 
@@ -122,12 +121,9 @@ def nmt_child(batches: str, shape: dict, threads: int, precision: str, warmup: i
         src_lens = (src_np != 0).sum(1)  # the loop reads these from host length arrays
         tgt_lens = (tgt_out_np != 0).sum(1)
         ntok = int(tgt_lens.sum())
-        rows = target_positions(tgt_lens, tgt_out.size(1))
-        select = None if rows is None else torch.from_numpy(rows)
-        target = tgt_out if select is None else tgt_out.reshape(-1).index_select(0, select)
-        micro = Micro(Batch(src, tgt_in, tgt_out, int(src_lens.sum()), ntok),
-                      has_pad=bool(src_lens.min() != src_lens.max()), select=select,
-                      target=target)
+        has_pad, select = host_selection(src_lens, tgt_lens, tgt_out.size(1))
+        micro = to_device(Batch(src, tgt_in, tgt_out, int(src_lens.sum()), ntok), has_pad,
+                          select, device)
         step = train_step(model, model, [micro], tgt_tokens=ntok, optimizer=optimizer,
                           scaler=scaler, precision=precision, loss=loss)
         finite = bool(torch.isfinite(step.loss_sum) & torch.isfinite(step.grad_norm))

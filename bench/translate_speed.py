@@ -68,6 +68,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from loss_speed import status_bytes  # noqa: E402  (bench/: /proc/self/status fields)
+
 from nmt import packed_linear  # noqa: E402
 from nmt.checkpoint import load_model, model_payload, save_checkpoint  # noqa: E402
 from nmt.config import DecodeConfig, model_preset  # noqa: E402
@@ -178,15 +180,6 @@ def export_for_fairseq(model: Transformer, vocab: Vocab, lines: list[str], cfg: 
 
 
 
-def rss_mb() -> float:
-    """This process's resident memory now (Linux /proc; 0 elsewhere), MiB."""
-    try:
-        status = Path("/proc/self/status").read_text()
-    except OSError:
-        return 0.0
-    return int(status.split("VmRSS:")[1].split()[0]) / 1024
-
-
 def time_ours(checkpoint: Path, lines: list[str], refs: list[str], cfg: DecodeConfig,
               precision: str, packed: bool = True, passes: int = 1) -> dict[str, object]:
     """`nmt translate`'s stream path over `lines` at `precision` (after a 20-line warm-up),
@@ -205,12 +198,12 @@ def time_ours(checkpoint: Path, lines: list[str], refs: list[str], cfg: DecodeCo
     rss_first = None
     for _ in range(passes - 1):
         translate_stream(io.BytesIO(data), io.BytesIO(), translator)
-        rss_first = rss_mb() if rss_first is None else rss_first
+        rss_first = status_bytes("VmRSS") / 2 ** 20 if rss_first is None else rss_first
     sink = io.BytesIO()
     start, cpu_start = time.perf_counter(), time.process_time()
     stats = translate_stream(io.BytesIO(data), sink, translator)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    rss_end = rss_mb()
+    rss_end = status_bytes("VmRSS") / 2 ** 20  # resident MiB (Linux /proc)
     hyps = sink.getvalue().decode("utf-8").splitlines()
     os.environ.pop("NMT_PACKED_LINEAR")
     packed_linear.available.cache_clear()

@@ -82,17 +82,32 @@ class TrainFeed:
         target positions come from host-side lengths: no device sync."""
         batch = collate([self.data.src[i] for i in indices],
                         [self.data.tgt[i] for i in indices])
-        lens = self.src_cost[indices]
-        has_pad = bool(lens.min() != lens.max())
-        rows = target_positions(self.tgt_cost[indices], batch.tgt_out.size(1))
-        select = None if rows is None else torch.from_numpy(rows)  # (n_real,)
-        if self.device.type == "cuda":
-            batch.src, batch.tgt_in, batch.tgt_out = (t.pin_memory() for t in (
-                batch.src, batch.tgt_in, batch.tgt_out))
-            select = None if select is None else select.pin_memory()
-        batch = batch.to(self.device)
-        if select is None:
-            return Micro(batch, has_pad, None, batch.tgt_out)
-        select = select.to(self.device, non_blocking=True)
-        target = batch.tgt_out.reshape(-1).index_select(0, select)  # (n_real,)
-        return Micro(batch, has_pad, select, target)
+        has_pad, select = host_selection(self.src_cost[indices], self.tgt_cost[indices],
+                                         batch.tgt_out.size(1))
+        return to_device(batch, has_pad, select, self.device)
+
+
+def host_selection(src_lens: np.ndarray, tgt_lens: np.ndarray, tgt_width: int
+                   ) -> tuple[bool, torch.Tensor | None]:
+    """From host-side lengths (non-PAD tokens per row, EOS included): whether the sources
+    are padded, and the flat indices (n_real,) of the real target positions in a
+    (rows, tgt_width) batch (None: no target padding). No device sync."""
+    rows = target_positions(tgt_lens, tgt_width)
+    return bool(src_lens.min() != src_lens.max()), None if rows is None else \
+        torch.from_numpy(rows)
+
+
+def to_device(batch: Batch, has_pad: bool, select: torch.Tensor | None,
+              device: torch.device) -> Micro:
+    """A collated micro-batch as the model takes it: on `device` (pinned and copied
+    asynchronously on CUDA), with the gold ids of the `select`ed target positions."""
+    if device.type == "cuda":
+        batch.src, batch.tgt_in, batch.tgt_out = (t.pin_memory() for t in (
+            batch.src, batch.tgt_in, batch.tgt_out))  # already pinned: returned as is
+        select = None if select is None else select.pin_memory()
+    batch = batch.to(device)
+    if select is None:
+        return Micro(batch, has_pad, None, batch.tgt_out)
+    select = select.to(device, non_blocking=True)
+    target = batch.tgt_out.reshape(-1).index_select(0, select)  # (n_real,)
+    return Micro(batch, has_pad, select, target)

@@ -24,8 +24,9 @@ from torch import Tensor, nn
 
 from nmt.model import Transformer
 from nmt.precision import autocast
+from nmt.train.ema import WeightAverage
 from nmt.train.feed import Micro
-from nmt.train.loss import label_smoothed_nll, projected_smoothed_loss
+from nmt.train.loss import DEFAULT_CHUNK_ROWS, label_smoothed_nll, projected_smoothed_loss
 from nmt.train.schedule import Schedule, total_norm
 
 
@@ -42,13 +43,13 @@ class StepStats:
 class LossOptions:
     """How the loss is computed from the decoder. `fused`: the net returns decoder states
     and the output projection runs chunk by chunk inside the loss (never the whole
-    (rows, vocab) logits; `chunk_rows` None: the loss's default, `compiled`: its
-    torch.compile'd chunks); else the net returns logits."""
+    (rows, vocab) logits; `chunk_rows` rows per chunk, `compiled`: its torch.compile'd
+    chunks); else the net returns logits."""
 
     label_smoothing: float
     pad_id: int
     fused: bool = False
-    chunk_rows: int | None = None
+    chunk_rows: int = DEFAULT_CHUNK_ROWS
     compiled: bool = False
 
 
@@ -59,10 +60,9 @@ def micro_loss(net: nn.Module, model: Transformer, mb: Micro, opts: LossOptions
     out = net(mb.batch.src, mb.batch.tgt_in, has_pad=mb.has_pad, select=mb.select,
               project=not opts.fused)
     if opts.fused:  # out: decoder states (rows, d_model)
-        extra = {} if opts.chunk_rows is None else {"chunk_rows": opts.chunk_rows}
         return projected_smoothed_loss(out, model.output_weight, mb.target.reshape(-1),
                                        opts.label_smoothing, pad_id=opts.pad_id,
-                                       compiled=opts.compiled, **extra)
+                                       chunk_rows=opts.chunk_rows, compiled=opts.compiled)
     return label_smoothed_nll(out, mb.target, opts.label_smoothing, opts.pad_id)  # logits
 
 
@@ -108,11 +108,11 @@ def train_step(net: nn.Module, model: Transformer,
 
 def apply_update(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                  schedule: Schedule | None, precision: str, finite: bool,
-                 ema: object | None = None) -> None:
+                 ema: WeightAverage | None = None) -> None:
     """Apply (or, not `finite`, skip) the update `train_step` prepared: the optimizer
     step (fp16: through the GradScaler, which skips overflowed steps and adjusts its
     scale), gradients cleared, then on success the schedule and the weight average
-    (an object with `update()`, e.g. nmt.train.ema.WeightAverage) advance."""
+    advance."""
     if precision == "fp16":
         scaler.step(optimizer)
         scaler.update()
@@ -123,4 +123,4 @@ def apply_update(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
         if schedule is not None:
             schedule.step()
         if ema is not None:
-            ema.update()  # type: ignore[attr-defined]
+            ema.update()
