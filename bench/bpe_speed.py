@@ -40,7 +40,7 @@ def _cpu_seconds() -> float:
 
 
 def _child_train(data: Path, vocab_size: int, sample: int, threads: int) -> dict:
-    from nmt.vocab import train_vocab
+    from nmt.data.vocab import train_vocab
 
     start = time.perf_counter()
     train_vocab([data / "train.src", data / "train.tgt"], data / "spm.model", vocab_size,
@@ -50,7 +50,7 @@ def _child_train(data: Path, vocab_size: int, sample: int, threads: int) -> dict
 
 def _child_binarize(data: Path, threads: int, chunk_lines: int) -> dict:
     from nmt.data.binarize import binarize_file
-    from nmt.vocab import Vocab
+    from nmt.data.vocab import Vocab
 
     vocab = Vocab.from_file(data / "spm.model")
     (data / "bin").mkdir(exist_ok=True)

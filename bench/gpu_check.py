@@ -322,9 +322,9 @@ def check_big_memory(setup: Setup) -> Check:
 
     from nmt.config import TrainConfig, model_preset
     from nmt.data.batching import Batch
-    from nmt.model import Transformer
+    from nmt.data.recipes import load_recipe
+    from nmt.model.transformer import Transformer
     from nmt.precision import grad_scaler
-    from nmt.recipes import load_recipe
     from nmt.train.feed import to_device
     from nmt.train.schedule import build_optimizer
     from nmt.train.step import LossOptions, apply_update, train_step

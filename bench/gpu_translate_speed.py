@@ -51,10 +51,10 @@ from translate_speed import ct2_request  # noqa: E402  (bench/: the CPU comparis
 
 from nmt.checkpoint import model_payload, save_checkpoint  # noqa: E402
 from nmt.config import DecodeConfig, model_preset  # noqa: E402
-from nmt.model import Transformer  # noqa: E402
+from nmt.data.vocab import Vocab, train_vocab  # noqa: E402
+from nmt.inference.translate import Translator, translate_stream  # noqa: E402
+from nmt.model.transformer import Transformer  # noqa: E402
 from nmt.score import corpus_scores  # noqa: E402
-from nmt.translate import Translator, translate_stream  # noqa: E402
-from nmt.vocab import Vocab, train_vocab  # noqa: E402
 
 SHARED = Path(os.environ.get("NMT_SHARED_DATA", REPO.parent / "shared" / "data"))
 CT2_VENV_PY = REPO / "bench" / ".venv-ct2" / "bin" / "python"

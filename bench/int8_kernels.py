@@ -5,9 +5,9 @@ Rows x in -> out for the `small` model's linears (256 -> 768 fused QKV, 256 -> 2
 1024 and 1024 -> 256 feed-forward, 256 -> 8000 vocabulary) at 4..1024 rows (beam 4 x 1..256
 sentences). Kernels:
 - fp32 / bf16: torch.ops.mkldnn._linear_pointwise with the weight packed once (what
-  nmt/packed_linear.py runs);
+  nmt/inference/packed_linear.py runs);
 - fbgemm / onednn: quantized::linear_dynamic with int8 per-channel weights packed by that
-  engine (activations quantized per tensor inside the call: what nmt/int8_linear.py runs);
+  engine (activations quantized per tensor inside the call: what nmt/inference/int8_linear.py runs);
 - onednn_static: onednn::qlinear_pointwise (torch.compile's x86 int8 op) with the uint8
   activation quantized in Python first;
 - int_mm: torch._int_mm on int8 activations quantized per row in Python, then rescaled.
@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nmt.int8_linear import _prepack, quantize_weight
+from nmt.inference.int8_linear import _prepack, quantize_weight
 
 SHAPES = [(256, 768), (256, 256), (256, 1024), (1024, 256), (256, 8000)]
 ROWS = [4, 16, 64, 256, 1024]

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nmt.config import DecodeConfig  # noqa: E402
-from nmt.translate import Translator, translate_stream  # noqa: E402
+from nmt.inference.translate import Translator, translate_stream  # noqa: E402
 
 DATA = Path(os.environ.get("NMT_SHARED_DATA", REPO.parent / "shared" / "data"))
 SETS = {"test2016": ("multi30k/test_2016_flickr.en", "multi30k/test_2016_flickr.de"),

@@ -1,4 +1,4 @@
-"""Micro-benchmark of nmt.model on CPU: training step (forward + backward) tokens/s and
+"""Micro-benchmark of nmt.model.transformer on CPU: training step (forward + backward) tokens/s and
 incremental beam-style decoding sentences/s, optionally against fairseq's transformer with
 the identical architecture (run in bench/.venv-fairseq).
 
@@ -55,7 +55,7 @@ def build(kind: str, arch: str, vocab: int, pad: int) -> torch.nn.Module:
     layers, d_model, d_ff, heads = PRESETS[arch]
     if kind == "nmt":
         from nmt.config import model_preset
-        from nmt.model import Transformer
+        from nmt.model.transformer import Transformer
         return Transformer(model_preset(arch, vocab_size=vocab, pad_id=pad))
     from argparse import Namespace
 
@@ -116,8 +116,8 @@ def bench_decode(kind: str, arch: str, vocab: int, n_sent: int, beam: int, steps
     """Beam-search-shaped incremental decoding: expand to B*beam, then `steps` steps each
     feeding argmax tokens and reordering rows within each sentence's beam. Sentences/s."""
     if kind == "nmt":  # imported here: the fairseq side runs in its own environment
-        from nmt.decoding import decode_step, init_state
-        from nmt.kv_cache import reorder_cache
+        from nmt.inference.decoding import decode_step, init_state
+        from nmt.inference.kv_cache import reorder_cache
     torch.manual_seed(0)
     pad = 0 if kind == "nmt" else 1
     model = build(kind, arch, vocab, pad).eval()

@@ -91,7 +91,7 @@ def nmt_child(batches: str, shape: dict, threads: int, precision: str, warmup: i
     from nmt.config import ModelConfig, TrainConfig
     from nmt.data.batching import Batch
     from nmt.host_memory import keep_freed_memory
-    from nmt.model import Transformer
+    from nmt.model.transformer import Transformer
     from nmt.precision import grad_scaler
     from nmt.train.feed import host_selection, to_device
     from nmt.train.schedule import build_optimizer

@@ -1,6 +1,6 @@
 """Translation speed: `nmt translate` vs CTranslate2 and fairseq, same weights, CPU, beam 4.
 
-Rows: nmt fp32, `auto`, `int8` (nmt/int8_linear.py) and fp32 unpacked; CTranslate2 float32
+Rows: nmt fp32, `auto`, `int8` (nmt/inference/int8_linear.py) and fp32 unpacked; CTranslate2 float32
 and int8 (the checkpoint exported with `nmt export ct2`, run by bench/ct2_translate_speed.py
 in bench/.venv-ct2, its `score_batch` log-probs checked against nmt's first); fairseq (below).
 A peer whose virtual environment is absent is skipped with a note. `--repeats N` runs every
@@ -27,13 +27,13 @@ fairseq's length penalty is |Y|^alpha (ours GNMT's ((5+|Y|)/6)^alpha) and its st
 rule differs (it waits for `beam` finished hypotheses), so outputs may differ slightly.
 
 Precision: nmt is timed at fp32 (like for like) and at its default `--precision auto` (bf16
-weights where the CPU computes bf16 natively, e.g. AVX512-BF16; else fp32 again), both with
-its linears packed for oneDNN (nmt/packed_linear.py, what `nmt translate` does on a CPU), and
-once more at fp32 with packing off (NMT_PACKED_LINEAR=0: torch's default MKL path, the one
-fairseq runs on) to show what the packing contributes.
-fairseq runs fp32, its fastest mode on a CPU: measured here (Multi30k test, 1 thread),
-`fairseq-generate --cpu --bf16` leaves the model in fp32 (same output, same time, 27.6 s vs
-29.0 s) and `--fp16` is 2.9x slower (82.9 s). The target line compares the defaults.
+weights where the CPU computes bf16 natively, e.g. AVX512-BF16; else fp32 again), both with its
+linears packed for oneDNN (nmt/inference/packed_linear.py, what `nmt translate` does on a CPU),
+and once more at fp32 with packing off (NMT_PACKED_LINEAR=0: torch's default MKL path, the one
+fairseq runs on) to show what the packing contributes. fairseq runs fp32, its fastest mode on a
+CPU: measured here (Multi30k test, 1 thread), `fairseq-generate --cpu --bf16` leaves the model
+in fp32 (same output, same time, 27.6 s vs 29.0 s) and `--fp16` is 2.9x slower (82.9 s). The
+target line compares the defaults.
 
 Quality check: every system's output is scored (sacreBLEU, detokenized, against
 test_2016_flickr.de), so a faster setting that translates worse would show.
@@ -70,15 +70,15 @@ sys.path.insert(0, str(REPO))
 
 from loss_speed import status_bytes  # noqa: E402  (bench/: /proc/self/status fields)
 
-from nmt import packed_linear  # noqa: E402
 from nmt.checkpoint import load_model, model_payload, save_checkpoint  # noqa: E402
 from nmt.config import DecodeConfig, model_preset  # noqa: E402
+from nmt.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab, train_vocab  # noqa: E402
 from nmt.errors import UsageError  # noqa: E402
-from nmt.model import Transformer  # noqa: E402
+from nmt.inference import packed_linear  # noqa: E402
+from nmt.inference.translate import Translator, translate_stream  # noqa: E402
+from nmt.model.transformer import Transformer  # noqa: E402
 from nmt.precision import resolve_precision  # noqa: E402
 from nmt.score import corpus_scores  # noqa: E402
-from nmt.translate import Translator, translate_stream  # noqa: E402
-from nmt.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab, train_vocab  # noqa: E402
 
 DATA = Path(os.environ.get("NMT_SHARED_DATA", REPO.parent / "shared" / "data")) / "multi30k"
 FAIRSEQ_PY = REPO / "bench" / ".venv-fairseq" / "bin" / "python"
@@ -225,7 +225,7 @@ def ct2_request(checkpoint: Path, lines: list[str], cfg: DecodeConfig, cache: Pa
     at load time for int8) and write the helper's request: sources as pieces, search
     settings, and a parity batch with nmt's teacher-forced per-token log-probs."""
     try:
-        from nmt.export_ct2 import export_ct2
+        from nmt.inference.export_ct2 import export_ct2
     except ImportError:
         return None
     model_dir = cache / "ct2_model"

@@ -32,7 +32,7 @@ def ct2(
     """Write a CTranslate2 model directory (model.bin, config.json, vocabulary,
     sentencepiece.model, README.md with usage) from an nmt checkpoint."""
     with handle_errors("export ct2"):
-        from nmt.export_ct2 import export_ct2  # torch: load lazily
+        from nmt.inference.export_ct2 import export_ct2  # torch: load lazily
 
         export_ct2(model, output, quantization=quantization, force=force)
         console.print(f"nmt export ct2: wrote {output} ({quantization}); usage in "

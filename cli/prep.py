@@ -13,10 +13,10 @@ from cli.common import console, handle_errors
 from cli.progress import RichReporter
 from nmt.config import ModelConfig
 from nmt.cores import available_cores
+from nmt.data.local_recipe import files_recipe, parse_pair
+from nmt.data.prep import default_out, prepare
+from nmt.data.recipes import Cleaning, Recipe, load_recipe, recipe_names
 from nmt.errors import UsageError
-from nmt.local_recipe import files_recipe, parse_pair
-from nmt.prep import default_out, prepare
-from nmt.recipes import Cleaning, Recipe, load_recipe, recipe_names
 
 _CLEAN = Cleaning()
 _FILES = "Local files (instead of RECIPE)"

@@ -15,7 +15,7 @@ from nmt.errors import DataError
 from nmt.fileio import atomic_write_bytes
 
 if TYPE_CHECKING:
-    from nmt.translate import TranslateStats
+    from nmt.inference.translate import TranslateStats
 
 _D = DecodeConfig()
 
@@ -97,8 +97,8 @@ def command(
     strict), 6 unloadable or unsafe checkpoint."""
     interrupt_surely("translate")
     with handle_errors("translate"):
+        from nmt.inference.translate import Translator, translate_stream
         from nmt.precision import emulation_note  # torch: load lazily
-        from nmt.translate import Translator, translate_stream
 
         cfg = DecodeConfig(beam=beam, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
                            min_len=min_len, nbest=nbest, sampling=sampling,
@@ -112,7 +112,7 @@ def command(
             warn("translate", f"--precision {precision} will be slow: {note}")
         observe = None
         if attention is not None:
-            from nmt.attention_map import AttentionWriter
+            from nmt.inference.attention_map import AttentionWriter
 
             observe = AttentionWriter(translator.models[0], translator.vocab, attention,
                                       attention_layer, attention_heads, translator.device)

@@ -191,8 +191,8 @@ def load_model(path: Path, device: str | torch.device = "cpu",
     """Rebuild (model in eval mode, Vocab, payload) from a checkpoint alone, with its
     `weights` (see `model_state`: the EMA weights where it has them, by default)."""
     from nmt.config import ModelConfig
-    from nmt.model import Transformer
-    from nmt.vocab import Vocab
+    from nmt.data.vocab import Vocab
+    from nmt.model.transformer import Transformer
 
     payload = load_checkpoint(path)
     state = model_state(payload, weights, path)

@@ -22,7 +22,7 @@ BEST_METRICS: dict[str, Literal["lower", "higher"]] = {
     "loss": "lower", "bleu": "higher", "chrf": "higher"}
 # Learning-rate schedules by name; their builders: nmt/train/schedule.py SCHEDULES.
 LR_SCHEDULES: tuple[str, ...] = ("inverse_sqrt",)  # the paper's (section 5.3)
-# Decoding also offers int8 (CPU only: int8 linear layers, see nmt/int8_linear.py).
+# Decoding also offers int8 (CPU only: int8 linear layers, see nmt/inference/int8_linear.py).
 DECODE_PRECISIONS: tuple[str, ...] = (*PRECISIONS, "int8")
 
 

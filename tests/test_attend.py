@@ -1,4 +1,4 @@
-"""nmt.attention.attend on CPU (softmax written out) against torch's SDPA."""
+"""nmt.model.attention.attend on CPU (softmax written out) against torch's SDPA."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nmt.attention import attend
+from nmt.model.attention import attend
 
 pytestmark = pytest.mark.isa  # kernel numerics: CI runs these again at AVX2
 
@@ -54,7 +54,7 @@ def test_attention_dropout_keeps_rows_normalised_in_expectation() -> None:
 def test_causal_mask_first_built_under_inference_mode_still_trains() -> None:
     """Translating (inference_mode) in a process that later trains, with the same shape:
     the cached causal mask must not be an inference tensor, or backward fails."""
-    from nmt.attention import _later_keys, masked_scores
+    from nmt.model.attention import _later_keys, masked_scores
 
     _later_keys.cache_clear()
     q, k = torch.randn(1, 2, 7, 4), torch.randn(1, 2, 7, 4)

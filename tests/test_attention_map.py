@@ -10,13 +10,13 @@ import pytest
 import torch
 from test_translate_util import cli_nmt, make_checkpoint, make_vocab
 
-from nmt.attention_map import attention_maps, piece_labels, resolve_layer
 from nmt.checkpoint import load_model
 from nmt.config import DecodeConfig
+from nmt.data.vocab import BOS_ID, EOS_ID, PAD_ID
 from nmt.errors import UsageError
+from nmt.inference.attention_map import attention_maps, piece_labels, resolve_layer
+from nmt.inference.translate import Translator
 from nmt.plot import plot_attention
-from nmt.translate import Translator
-from nmt.vocab import BOS_ID, EOS_ID, PAD_ID
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,7 +12,7 @@ from nmt.data.batching import (
     epoch_order,
     shard,
 )
-from nmt.vocab import BOS_ID, EOS_ID, PAD_ID
+from nmt.data.vocab import BOS_ID, EOS_ID, PAD_ID
 
 
 @pytest.mark.parametrize("seed", range(200))
@@ -83,7 +83,7 @@ def _translate_batches_reference(lengths, max_tokens):
 def test_translation_batches_are_training_batches_of_the_source_side():
     """One batcher for training and translation: source_batches (batch_by_tokens with no
     target side, every line kept) equals the former translate batcher exactly."""
-    from nmt.translate import source_batches
+    from nmt.inference.translate import source_batches
 
     rng = np.random.default_rng(7)
     for _ in range(300):

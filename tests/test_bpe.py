@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nmt.bpe import BpeConfig, run_bpe
 from nmt.data import binarize
+from nmt.data.bpe import BpeConfig, run_bpe
 from nmt.data.dataset import ParallelData, load_vocab
 from nmt.errors import DataError, UsageError
 

@@ -15,11 +15,11 @@ from conftest import REPO, shared_data_path
 from test_hostile_checkpoint import _RunsCode
 from test_translate_util import make_checkpoint, make_vocab
 
-from nmt.bpe import BpeConfig, run_bpe
 from nmt.checkpoint import FORMAT
+from nmt.data.bpe import BpeConfig, run_bpe
 from nmt.data.dataset import ParallelData, load_vocab
+from nmt.data.vocab import Vocab
 from nmt.errors import UsageError
-from nmt.vocab import Vocab
 
 
 def _data_dir(out: Path, multi30k: Path, start: int, stop: int) -> Path:

@@ -81,7 +81,7 @@ def test_mixed_precision_training_tracks_cpu_fp32(data, tmp_path, precision):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_translate_on_cuda_keeps_lines_and_agrees_with_cpu(data, tmp_path, precision):
-    from nmt.translate import Translator
+    from nmt.inference.translate import Translator
 
     train(data, tmp_path / "run", MODEL, _cfg(max_updates=40, save_interval_updates=0),
           "cpu", progress=False)

@@ -16,9 +16,9 @@ from nmt.data.binarize import (
     token_dtype,
 )
 from nmt.data.dataset import ParallelData, TokenArray, load_vocab
+from nmt.data.vocab import Vocab, train_vocab
 from nmt.errors import DataError
 from nmt.fileio import count_lines
-from nmt.vocab import Vocab, train_vocab
 
 
 def _write_side(prefix: Path, lines: list[list[int]], dtype=np.uint16) -> None:

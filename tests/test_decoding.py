@@ -1,8 +1,8 @@
-"""Incremental decoding (nmt/decoding.py, nmt/kv_cache.py) on tiny Transformers: the
-cache equals full re-decoding through expansion, reordering, growth and shrinking; search
-through the model adapter keeps the invariants (a sentence alone equals it inside a batch,
-incremental equals full re-decoding, lazy compaction equals eager); memory is handed on
-explicitly through a DecodingWorkspace."""
+"""Incremental decoding (nmt/inference/decoding.py, nmt/inference/kv_cache.py) on tiny
+Transformers: the cache equals full re-decoding through expansion, reordering, growth and
+shrinking; search through the model adapter keeps the invariants (a sentence alone equals it
+inside a batch, incremental equals full re-decoding, lazy compaction equals eager); memory is
+handed on explicitly through a DecodingWorkspace."""
 
 from __future__ import annotations
 
@@ -12,19 +12,19 @@ import pytest
 import torch
 from test_model import VOCAB, make_model, random_batch
 
-import nmt.search
+import nmt.inference.search
 from nmt.config import model_preset
-from nmt.decoding import (
+from nmt.errors import UsageError
+from nmt.inference.decoding import (
     DecodingWorkspace,
     ModelStepDecoder,
     decode_step,
     greedy_search,
     init_state,
 )
-from nmt.errors import UsageError
-from nmt.kv_cache import INITIAL_CAPACITY, reorder_cache
-from nmt.model import Transformer
-from nmt.search import beam_search, max_output_lengths
+from nmt.inference.kv_cache import INITIAL_CAPACITY, reorder_cache
+from nmt.inference.search import beam_search, max_output_lengths
+from nmt.model.transformer import Transformer
 from nmt.special_ids import BOS_ID, EOS_ID, PAD_ID
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.isa]
@@ -298,7 +298,7 @@ def test_lazy_compaction_equals_eager(alpha: float, monkeypatch: pytest.MonkeyPa
     max_lens = max_output_lengths(src, 1.0, 4, cap=63)
     results = []
     for compact_at in (0.0, 0.25, 1.0):
-        monkeypatch.setattr(nmt.search, "COMPACT_AT", compact_at)
+        monkeypatch.setattr(nmt.inference.search, "COMPACT_AT", compact_at)
         hyps = beam_search(ModelStepDecoder(model, src), max_lens, beam=4, alpha=alpha,
                            nbest=2, min_len=1)
         results.append([[(h.tokens, h.score, h.log_prob) for h in sent] for sent in hyps])

@@ -22,12 +22,12 @@ from test_translate_util import make_vocab
 
 from nmt.checkpoint import FORMAT, save_checkpoint
 from nmt.config import DecodeConfig, model_preset
-from nmt.decoding import DecodingWorkspace, ModelStepDecoder, greedy_search
-from nmt.model import EncoderOutput, Transformer
-from nmt.search import Hypothesis, beam_search, max_output_lengths
+from nmt.data.vocab import Vocab
+from nmt.inference.decoding import DecodingWorkspace, ModelStepDecoder, greedy_search
+from nmt.inference.search import Hypothesis, beam_search, max_output_lengths
+from nmt.inference.translate import Translator, source_batches
+from nmt.model.transformer import EncoderOutput, Transformer
 from nmt.special_ids import BOS_ID, EOS_ID, PAD_ID
-from nmt.translate import Translator, source_batches
-from nmt.vocab import Vocab
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.isa]
 

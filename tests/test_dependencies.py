@@ -1,11 +1,14 @@
-"""The dependency rules of the design notes (shared/docs/DESIGN.md), read from the source
-with `ast`: every import of every module, lazy ones inside functions included.
+"""The dependency rules of the design notes (shared/docs/DESIGN.md and nmt/__init__.py), read
+from the source with `ast`: every import of every module, lazy ones inside functions included.
 
 - `cli -> nmt` only: the library never imports the CLI or its frameworks.
-- `nmt/search.py` is pure algorithms: torch, the standard library and the special ids.
-- `nmt/model.py` is the network: torch, the standard library and the network modules,
-  which themselves import nothing else (no files, CLI, search or decoding).
-- Caches live in one place: only nmt/decoding.py imports nmt/kv_cache.py.
+- Packages layer one way: nmt.data and nmt.model use only the shared top-level modules,
+  nmt.inference adds them, nmt.train adds nmt.inference; the shared modules reach up only
+  where checkpoint builds a model (`build_model`, lazily).
+- The network (nmt.model) is torch, nmt.config and nmt.errors alone.
+- `nmt/inference/search.py` is pure algorithms: torch, the standard library and the special ids.
+- Caches live in one place: only nmt/inference/decoding.py imports nmt/inference/kv_cache.py.
+- No import circles between modules, lazy imports included.
 - No `__del__` in the library: lifetimes are explicit (context managers, owner objects).
 """
 
@@ -21,13 +24,22 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 LIBRARY = REPO / "nmt"
 
-# Top-level packages the library must never import. Add "rich" here once progress
-# reporting has moved to cli/ (nmt/data/download.py and nmt/train/log.py still use it).
 FORBIDDEN_IN_LIBRARY = {"cli", "typer", "rich"}  # rich: progress bars are drawn by cli/
 SEARCH_MAY_IMPORT = {"torch", "nmt.special_ids"}
-NETWORK = {"nmt.model", "nmt.config", "nmt.layers", "nmt.attention", "nmt.dropout",
-           "nmt.errors"}
-CACHE_OWNERS = {"nmt.decoding"}  # the only importers of nmt.kv_cache
+NETWORK_MAY_IMPORT = {"nmt.config", "nmt.errors"}  # besides torch and nmt.model itself
+CACHE_OWNERS = {"nmt.inference.decoding"}  # the only importers of nmt.inference.kv_cache
+PACKAGES = ("nmt.data", "nmt.model", "nmt.inference", "nmt.train")
+# What each layer may import besides the standard library, torch and the other packages:
+# "shared" is every top-level module of nmt (config, checkpoint, errors, ...).
+MAY_IMPORT = {
+    "shared": {"shared"},
+    "nmt.data": {"shared", "nmt.data"},
+    "nmt.model": {"nmt.model"},  # and NETWORK_MAY_IMPORT, checked on its own
+    "nmt.inference": {"shared", "nmt.data", "nmt.model", "nmt.inference"},
+    "nmt.train": {"shared", "nmt.data", "nmt.model", "nmt.inference", "nmt.train"},
+}
+# The shared module that builds a model from its file, and what it reaches for.
+REACHES_UP = {"nmt.checkpoint": {"nmt.model.transformer", "nmt.data.vocab"}}
 
 
 def module_name(path: Path) -> str:
@@ -91,10 +103,53 @@ def test_library_never_imports_the_cli(name: str) -> None:
     assert not bad, f"{name} imports {sorted(bad)}"
 
 
+def layer(name: str) -> str:
+    """The layer of a library module: its package, or "shared" for a top-level module."""
+    return next((pkg for pkg in PACKAGES if name == pkg or name.startswith(pkg + ".")),
+                "shared")
+
+
+def library_imports(name: str) -> set[str]:
+    """The library modules (not packages' __init__ alone) that module `name` imports."""
+    modules = library_modules()
+    return {m for m in imports(modules[name]) if m in modules and m != "nmt"}
+
+
+@pytest.mark.parametrize("name", sorted(library_modules()))
+def test_packages_layer_one_way(name: str) -> None:
+    allowed = MAY_IMPORT[layer(name)]
+    bad = {m for m in library_imports(name)
+           if layer(m) not in allowed and m not in REACHES_UP.get(name, set())}
+    if layer(name) == "nmt.model":
+        bad -= NETWORK_MAY_IMPORT
+    assert not bad, (f"{name} ({layer(name)}) imports {sorted(bad)}; it may import "
+                     f"{sorted(allowed)} (see nmt/__init__.py)")
+
+
+def test_no_import_circles() -> None:
+    """A depth-first walk over the module import graph finds no cycle."""
+    graph = {name: library_imports(name) for name in library_modules()}
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in path:
+            cycle = path[path.index(name):] + [name]
+            pytest.fail("import circle: " + " -> ".join(cycle))
+        if name in done:
+            return
+        for imported in sorted(graph[name]):
+            visit(imported, [*path, name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+
+
 def test_search_imports_only_torch_and_the_special_ids() -> None:
-    found = non_stdlib_imports(LIBRARY / "search.py")
+    found = non_stdlib_imports(LIBRARY / "inference" / "search.py")
     bad = {m for m in found if m not in SEARCH_MAY_IMPORT and top(m) != "torch"}
-    assert not bad, f"nmt/search.py imports {sorted(bad)}; allowed: torch, nmt.special_ids"
+    assert not bad, (f"nmt/inference/search.py imports {sorted(bad)}; "
+                     "allowed: torch, nmt.special_ids")
 
 
 def test_special_ids_import_nothing() -> None:
@@ -102,9 +157,9 @@ def test_special_ids_import_nothing() -> None:
 
 
 def test_model_is_the_network_alone() -> None:
-    """nmt/model.py and everything it reaches: torch and the network modules only."""
+    """nmt.model and everything it reaches: torch, nmt.config and nmt.errors only."""
     modules = library_modules()
-    seen, todo = set(), ["nmt.model"]
+    seen, todo = set(), [n for n in modules if layer(n) == "nmt.model"]
     while todo:
         name = todo.pop()
         if name in seen:
@@ -113,16 +168,16 @@ def test_model_is_the_network_alone() -> None:
         for imported in non_stdlib_imports(modules[name]):
             if top(imported) == "torch":
                 continue
-            assert imported in NETWORK, (
-                f"{name} (reached from nmt.model) imports {imported}; the network may use "
-                f"torch and {sorted(NETWORK - {'nmt.model'})} only")
+            assert layer(imported) == "nmt.model" or imported in NETWORK_MAY_IMPORT, (
+                f"{name} (the network) imports {imported}; the network may use torch, "
+                f"nmt.model and {sorted(NETWORK_MAY_IMPORT)} only")
             todo.append(imported)
 
 
 def test_only_decoding_knows_the_caches() -> None:
     users = {name for name, path in library_modules().items()
-             if "nmt.kv_cache" in imports(path)}
-    assert users <= CACHE_OWNERS, f"{sorted(users - CACHE_OWNERS)} import nmt.kv_cache"
+             if "nmt.inference.kv_cache" in imports(path)}
+    assert users <= CACHE_OWNERS, f"{sorted(users - CACHE_OWNERS)} import nmt.inference.kv_cache"
 
 
 @pytest.mark.parametrize("name", sorted(library_modules()))
@@ -137,15 +192,15 @@ def test_no_finalisers(name: str) -> None:
 
 
 def test_the_rules_see_every_kind_of_import() -> None:
-    """The parser itself: lazy, relative and from-package imports are all found."""
+    """The parser itself: lazy, relative and from-package imports are all found, and the
+    rules reject what they should."""
     source = ("import torch.nn\nfrom nmt.data import batching\n\n\ndef f():\n"
-              "    from . import search\n    from .data.clean import x\n")
+              "    from . import inference\n    from .data.clean import x\n")
     assert imports_in(source, "nmt.example", is_package=False) == {
-        "torch.nn", "nmt.data", "nmt.data.batching", "nmt", "nmt.search", "nmt.data.clean"}
-    assert "nmt.search" in imports(LIBRARY / "decoding.py")
-
-
-def test_vocab_does_not_import_the_data_package() -> None:
-    """nmt.data.binarize imports nmt.vocab; the reverse would be an import circle."""
-    bad = {m for m in imports(library_modules()["nmt.vocab"]) if m.startswith("nmt.data")}
-    assert not bad, f"nmt/vocab.py imports {sorted(bad)}"
+        "torch.nn", "nmt.data", "nmt.data.batching", "nmt", "nmt.inference",
+        "nmt.data.clean"}
+    assert "nmt.inference.search" in imports(LIBRARY / "inference" / "decoding.py")
+    assert layer("nmt.inference.search") == "nmt.inference"
+    assert layer("nmt.checkpoint") == "shared"
+    assert layer("nmt.train") == "nmt.train"
+    assert "nmt.train" not in MAY_IMPORT[layer("nmt.inference.translate")]

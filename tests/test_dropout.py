@@ -1,11 +1,11 @@
-"""nmt.dropout.dropout: F.dropout's semantics with a cheaper CPU mask."""
+"""nmt.model.dropout.dropout: F.dropout's semantics with a cheaper CPU mask."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from nmt.dropout import dropout
+from nmt.model.dropout import dropout
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -11,7 +11,7 @@ import torch
 from test_translate_util import cli_nmt, make_checkpoint, make_vocab
 
 from nmt.checkpoint import load_model
-from nmt.vocab import BOS_ID, EOS_ID
+from nmt.data.vocab import BOS_ID, EOS_ID
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.isa]
 
@@ -107,7 +107,7 @@ def test_int8_export_and_replacing(spm: Path, lines: list, tmp_path: Path) -> No
     # int8 compute adds activation rounding; how much depends on the kernel. With VNNI the
     # u8 x s8 products accumulate exactly in int32 (0.537 here); without it (AVX2)
     # vpmaddubsw sums pairs into int16 with saturation, and CTranslate2 does not reduce the
-    # activation range to avoid that (nmt's int8 does: nmt/int8_linear.py), so there the
+    # activation range to avoid that (nmt's int8 does: nmt/inference/int8_linear.py), so there the
     # error is unbounded in principle (5.25 on this model) and only finiteness is checked.
     diff = max_log_prob_diff(checkpoint, out, lines[:8], compute_type="int8")
     if ct2_int8_without_saturation():
@@ -120,7 +120,7 @@ def test_int8_export_and_replacing(spm: Path, lines: list, tmp_path: Path) -> No
 def ct2_int8_without_saturation() -> bool:
     """Whether CTranslate2's int8 GEMM here accumulates exactly: a VNNI CPU, and neither
     CTranslate2's nor MKL's / oneDNN's ISA capped below it (as CI's AVX2 pass does)."""
-    from nmt.int8_linear import capped_below_vnni, has_vnni
+    from nmt.inference.int8_linear import capped_below_vnni, has_vnni
 
     return has_vnni() and not capped_below_vnni("CT2_FORCE_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
                                                 "ONEDNN_MAX_CPU_ISA")
@@ -176,7 +176,7 @@ def beam_outputs(checkpoint: Path, model_dir: Path, sources: list[str], alpha: f
     import io
 
     from nmt.config import DecodeConfig
-    from nmt.translate import Translator, translate_stream
+    from nmt.inference.translate import Translator, translate_stream
 
     cfg = DecodeConfig(beam=4, alpha=alpha, max_len_a=0.0, max_len_b=max_len,
                        max_tokens=2048, buffer_size=len(sources))

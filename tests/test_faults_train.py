@@ -336,7 +336,7 @@ def test_file_size_limit_in_a_real_process_exits_6(m30k, tmp_path, one_thread):
 def _poison_forward(monkeypatch, bad_calls: set[int], value: float) -> list[int]:
     """Make the model's logits `value` (NaN) on the given 1-based forward calls; the
     non-finite numbers then flow through the real loss and backward."""
-    from nmt.model import Transformer
+    from nmt.model.transformer import Transformer
 
     real = Transformer.forward
     calls = [0]

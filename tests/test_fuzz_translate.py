@@ -20,7 +20,7 @@ from test_translate_util import (
 
 from nmt.config import DecodeConfig
 from nmt.errors import DataError
-from nmt.translate import Translator, translate_stream
+from nmt.inference.translate import Translator, translate_stream
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

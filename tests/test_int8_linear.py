@@ -11,19 +11,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nmt import int8_linear
 from nmt.config import DecodeConfig, TrainConfig, model_preset
 from nmt.errors import UsageError
-from nmt.int8_linear import (
+from nmt.inference import int8_linear
+from nmt.inference.int8_linear import (
     Int8Linear,
     available,
     output_projection,
     quantize_for_inference,
     quantize_weight,
 )
-from nmt.model import Transformer
-from nmt.packed_linear import PackedLinear
-from nmt.translate import Translator, translate_stream
+from nmt.inference.packed_linear import PackedLinear
+from nmt.inference.translate import Translator, translate_stream
+from nmt.model.transformer import Transformer
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.isa]
 

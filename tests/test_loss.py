@@ -107,7 +107,7 @@ def tiny_model_batch() -> tuple:
     model, src (3, 6), tgt_in and tgt_out (3, 5), and `select`, the flat positions of the
     real target tokens."""
     from nmt.config import model_preset
-    from nmt.model import Transformer
+    from nmt.model.transformer import Transformer
 
     torch.manual_seed(0)
     model = Transformer(model_preset("tiny", vocab_size=50, dropout=0.0)).double()

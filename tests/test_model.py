@@ -14,10 +14,10 @@ from conftest import torch_threads
 
 from nmt.checkpoint import FORMAT, load_model, save_checkpoint
 from nmt.config import model_preset
+from nmt.data.vocab import BOS_ID, EOS_ID, PAD_ID
 from nmt.errors import UsageError
-from nmt.layers import sinusoids
-from nmt.model import Transformer
-from nmt.vocab import BOS_ID, EOS_ID, PAD_ID
+from nmt.model.layers import sinusoids
+from nmt.model.transformer import Transformer
 
 pytestmark = pytest.mark.isa  # kernel numerics: CI runs these again at AVX2
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from nmt.recipes import recipe_names
+from nmt.data.recipes import recipe_names
 
 _SKIP = shutil.ignore_patterns("__pycache__", "*.egg-info", "*.pyc")
 
@@ -64,7 +64,7 @@ def test_package_data_patterns_cover_every_recipe() -> None:
     matches every recipe file in the tree, so a new recipe cannot be left out of wheels."""
     import fnmatch
 
-    from nmt.recipes import tomllib  # tomllib, or tomli before Python 3.11
+    from nmt.data.recipes import tomllib  # tomllib, or tomli before Python 3.11
 
     config = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
     setuptools = config["tool"]["setuptools"]

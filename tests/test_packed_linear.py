@@ -6,12 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from nmt import packed_linear
 from nmt.config import model_preset
-from nmt.decoding import DecodingWorkspace
-from nmt.model import Transformer
-from nmt.packed_linear import PackedLinear, available, is_packed, pack_for_inference
-from nmt.search import beam_search, max_output_lengths
+from nmt.inference import packed_linear
+from nmt.inference.decoding import DecodingWorkspace
+from nmt.inference.packed_linear import PackedLinear, available, is_packed, pack_for_inference
+from nmt.inference.search import beam_search, max_output_lengths
+from nmt.model.transformer import Transformer
 from nmt.special_ids import EOS_ID, PAD_ID
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.isa]

@@ -6,7 +6,7 @@ import numpy as np
 
 from nmt.data.clean import Counts, PairCleaner, clean_pairs, ordered_map, without_line_breaks
 from nmt.data.dedup import DigestSet, pair_digest
-from nmt.recipes import Cleaning
+from nmt.data.recipes import Cleaning
 
 
 def test_normalization_and_non_printing():

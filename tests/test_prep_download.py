@@ -9,8 +9,8 @@ import threading
 import pytest
 
 from nmt.data.download import download
+from nmt.data.recipes import Archive
 from nmt.errors import DownloadError, IntegrityError
-from nmt.recipes import Archive
 
 PAYLOAD = bytes(range(256)) * 2048  # 512 KiB
 

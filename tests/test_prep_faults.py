@@ -14,8 +14,8 @@ import pytest
 from conftest import REPO
 from fixtures_wmt import build_multi30k_mirror, build_wmt14_mirror, make_tgz, recipe_copy
 
+from nmt.data.prep import prepare
 from nmt.errors import DataError
-from nmt.prep import prepare
 
 
 def _nmt_prep(*args, mirror=None):

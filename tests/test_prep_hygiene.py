@@ -9,10 +9,10 @@ import json
 import pytest
 from fixtures_wmt import build_wmt14_mirror, make_tgz, recipe_copy
 
-from nmt.bpe import BpeConfig, run_bpe
+from nmt.data.bpe import BpeConfig, run_bpe
 from nmt.data.dataset import CorpusRange, ParallelData, corpus_ranges, epoch_shares, load_vocab
+from nmt.data.prep import prepare
 from nmt.errors import DataError, UsageError
-from nmt.prep import prepare
 
 WEIGHTS = {'name = "europarl-v7"': 'name = "europarl-v7"\nweight = 2',
            'name = "commoncrawl"': 'name = "commoncrawl"\nweight = 1',

@@ -17,9 +17,9 @@ from conftest import REPO
 from test_prep_faults import _assert_one_line
 
 from nmt.data.dataset import CorpusRange, corpus_ranges
+from nmt.data.local_recipe import files_recipe, parse_pair
+from nmt.data.prep import prepare
 from nmt.errors import DataError, UsageError
-from nmt.local_recipe import files_recipe, parse_pair
-from nmt.prep import prepare
 from nmt.train.settings import resolve
 
 

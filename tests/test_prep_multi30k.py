@@ -7,8 +7,8 @@ import gzip
 import pytest
 from fixtures_wmt import build_multi30k_mirror
 
+from nmt.data.prep import prepare
 from nmt.errors import DownloadError, IntegrityError
-from nmt.prep import prepare
 
 
 def test_gzipped_mirror_gives_exact_test_and_valid(tmp_path, multi30k_dir):
@@ -89,8 +89,8 @@ def test_default_worker_count_is_the_core_count(tmp_path, multi30k_dir, monkeypa
         def run(self):
             return {}
 
-    monkeypatch.setattr("nmt.prep.available_cores", lambda: 5)
-    monkeypatch.setattr("nmt.prep._Prep", Recorder)
+    monkeypatch.setattr("nmt.data.prep.available_cores", lambda: 5)
+    monkeypatch.setattr("nmt.data.prep._Prep", Recorder)
     prepare("multi30k-en-de", tmp_path / "out", multi30k_dir)
     prepare("multi30k-en-de", tmp_path / "out", multi30k_dir, workers=2)
     assert seen == [5, 2]

@@ -12,8 +12,8 @@ import pytest
 from conftest import REPO, shared_data_path
 from fixtures_wmt import BAD_PAIRS, build_wmt14_mirror, recipe_copy
 
+from nmt.data.prep import prepare
 from nmt.errors import IntegrityError
-from nmt.prep import prepare
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from fixtures_wmt import recipe_copy
 
+from nmt.data.recipes import load_recipe, recipe_names
 from nmt.errors import UsageError
-from nmt.recipes import load_recipe, recipe_names
 
 
 def test_shipped_recipes_load_with_paper_values():

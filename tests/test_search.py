@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nmt.config import DecodeConfig
-from nmt.search import (
+from nmt.inference.search import (
     EnsembleStepDecoder,
     Hypothesis,
     beam_search,
@@ -312,7 +312,7 @@ def test_hypothesis_is_plain_data() -> None:
 def test_row_topk_equals_topk(vocab: int) -> None:
     """The blockwise top-k used by beam search returns torch.topk's values and indices
     (distinct values), also with -inf entries and a vocabulary that fills no whole block."""
-    from nmt.search import _row_topk
+    from nmt.inference.search import _row_topk
 
     gen = torch.Generator().manual_seed(vocab)
     x = torch.log_softmax(torch.randn(6, 3, vocab, generator=gen) * 3, dim=-1)

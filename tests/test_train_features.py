@@ -20,9 +20,9 @@ import pytest
 import torch
 from test_train_fixtures import write_text_data
 
-from nmt.bpe import BpeConfig, run_bpe
 from nmt.checkpoint import load_checkpoint
 from nmt.config import TrainConfig, model_preset
+from nmt.data.bpe import BpeConfig, run_bpe
 from nmt.data.dataset import CorpusRange, ParallelData
 from nmt.train.log import read_jsonl
 from nmt.train.loop import train
@@ -265,13 +265,13 @@ def test_valid_bleu_decodes_as_translate_does(tmp_path, one_thread, monkeypatch)
     import sacrebleu
     from test_train_fixtures import make_copy_data
 
-    import nmt.decoding as decoding
+    import nmt.inference.decoding as decoding
     from nmt.checkpoint import load_model
     from nmt.config import DecodeConfig
     from nmt.data.dataset import load_vocab
+    from nmt.inference.translate import Translator
     from nmt.train.distributed import DistEnv
     from nmt.train.validate import validate
-    from nmt.translate import Translator
 
     data = make_copy_data(tmp_path / "copy", n_train=400, n_valid=40)
     train(data, tmp_path / "run", MODEL, _cfg(max_updates=600, warmup=100, lr_scale=1.0,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from conftest import torch_threads
 
-from nmt.bpe import BpeConfig, run_bpe
 from nmt.config import ModelConfig, TrainConfig
+from nmt.data.bpe import BpeConfig, run_bpe
 from nmt.data.dataset import ParallelData, load_vocab
 
 WORDS = ("red blue green cat dog bird tree house river stone moon sun car boat "

@@ -11,7 +11,7 @@ from nmt.checkpoint import load_model
 from nmt.config import TrainConfig, model_preset
 from nmt.data.batching import collate
 from nmt.data.dataset import ParallelData
-from nmt.decoding import greedy_search
+from nmt.inference.decoding import greedy_search
 from nmt.train.loop import train
 
 

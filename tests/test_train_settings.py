@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from nmt.config import ModelConfig, TrainConfig
+from nmt.data.recipes import load_recipe
 from nmt.errors import UsageError
-from nmt.recipes import load_recipe
 from nmt.train.settings import resolve
 
 RECIPE = """

@@ -10,12 +10,12 @@ import torch
 from test_model import VOCAB, make_model, random_batch
 
 from nmt.data.batching import Batch
+from nmt.data.vocab import BOS_ID, EOS_ID, PAD_ID
 from nmt.precision import grad_scaler
 from nmt.train.feed import Micro
 from nmt.train.loss import label_smoothed_nll
 from nmt.train.schedule import InverseSqrtSchedule, build_optimizer
 from nmt.train.step import LossOptions, StepStats, apply_update, train_step
-from nmt.vocab import BOS_ID, EOS_ID, PAD_ID
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CPU = torch.device("cpu")

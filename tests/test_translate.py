@@ -21,8 +21,8 @@ from test_translate_util import (
 )
 
 from nmt.config import DecodeConfig
+from nmt.inference.translate import Translator, read_lines, source_batches, translate_stream
 from nmt.precision import resolve_precision
-from nmt.translate import Translator, read_lines, source_batches, translate_stream
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -229,7 +229,7 @@ def test_ctrl_c_ends_even_when_the_interrupt_is_swallowed(tmp_path: Path) -> Non
 def test_output_text_never_holds_a_line_break_of_any_kind() -> None:
     """A generated piece can hold \\x1c, NEL or U+2028, which str.splitlines() and many
     readers treat as line ends: written as spaces, one line stays one line."""
-    from nmt.translate import sanitize
+    from nmt.inference.translate import sanitize
 
     text = "a\nb\rc\x0bd\x0ce\x1cf\x1dg\x1eh\x85i\u2028j\u2029k\x06l"
     clean = sanitize(text)

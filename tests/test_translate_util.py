@@ -16,8 +16,8 @@ import torch
 
 from nmt.checkpoint import model_payload, save_checkpoint
 from nmt.config import model_preset
-from nmt.model import Transformer
-from nmt.vocab import train_vocab
+from nmt.data.vocab import train_vocab
+from nmt.model.transformer import Transformer
 
 REPO = Path(__file__).resolve().parents[1]
 NMT = [sys.executable, "-m", "cli.main"]
@@ -42,7 +42,7 @@ def make_checkpoint(spm_model: Path, path: Path, seed: int = 0, step: int = 100,
                     max_positions: int = 128, **overrides: object) -> Path:
     """Save a random-init tiny Transformer with the vocabulary; returns `path`."""
     proto = spm_model.read_bytes()
-    from nmt.vocab import Vocab
+    from nmt.data.vocab import Vocab
 
     cfg = model_preset("tiny", vocab_size=len(Vocab(proto)), max_positions=max_positions,
                        **overrides)

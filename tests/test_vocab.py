@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from nmt.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab, train_vocab
 from nmt.errors import DataError, UsageError
-from nmt.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab, train_vocab
 
 
 def _lines(path: Path) -> list[str]:
@@ -97,7 +97,7 @@ def _pieces(vocab: Vocab) -> list[tuple[str, float]]:
 
 
 def test_sample_is_an_ordered_subset_of_all_inputs(tmp_path, multi30k_dir):
-    from nmt.vocab import _sample_lines
+    from nmt.data.vocab import _sample_lines
 
     inputs = [multi30k_dir / "val.en", multi30k_dir / "val.de"]
     corpus = _lines(inputs[0]) + _lines(inputs[1])

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nmt.vocab import BOS_ID, EOS_ID, PAD_ID
+from nmt.data.vocab import BOS_ID, EOS_ID, PAD_ID
 
 
 @dataclass(frozen=True)

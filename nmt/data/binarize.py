@@ -18,9 +18,9 @@ from typing import BinaryIO
 
 import numpy as np
 
+from nmt.data.vocab import Vocab
 from nmt.errors import DataError
 from nmt.fileio import atomic_write_bytes
-from nmt.vocab import Vocab
 
 UINT16_MAX_PIECES = 65535  # vocabularies up to this size are stored as uint16
 CHUNK_LINES = 65536  # lines encoded per sentencepiece call: big enough for its thread pool

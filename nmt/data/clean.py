@@ -24,7 +24,7 @@ import numpy as np
 from sacremoses import MosesPunctNormalizer
 
 from nmt.data.dedup import DigestSet, pair_digest
-from nmt.recipes import Cleaning
+from nmt.data.recipes import Cleaning
 
 Pair = tuple[str, str]
 # In the order applied; Counts records the pairs left after each.

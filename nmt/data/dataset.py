@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from nmt.data.binarize import side_paths
+from nmt.data.vocab import Vocab
 from nmt.errors import DataError
-from nmt.vocab import Vocab
 
 BIN_DIR = "bin"
 META_FILE = "meta.json"

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from nmt.data.recipes import Archive
 from nmt.errors import DownloadError, IntegrityError
 from nmt.fileio import CHUNK
-from nmt.recipes import Archive
 
 
 class Reporter(Protocol):

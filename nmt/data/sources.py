@@ -2,7 +2,7 @@
 mirror copies, downloads (each verified, the result cached by path, size and mtime), tar
 members extracted on demand, and the two sides of a corpus read in lockstep.
 
-`nmt prep` (nmt/prep.py) drives one `ArchiveFiles` per run and copies its `records` (path,
+`nmt prep` (nmt/data/prep.py) drives one `ArchiveFiles` per run and copies its `records` (path,
 origin, checks and, for local files, sha256) into the manifest.
 """
 
@@ -22,9 +22,9 @@ from nmt.data.download import (
     verify,
 )
 from nmt.data.extract import extract_members, read_lines
+from nmt.data.recipes import Archive, Corpus, Recipe, Source
 from nmt.errors import DataError
 from nmt.fileio import count_lines
-from nmt.recipes import Archive, Corpus, Recipe, Source
 
 
 class ArchiveFiles:

@@ -52,7 +52,7 @@ from nmt.data.dataset import ParallelData, corpus_ranges, load_vocab
 from nmt.device import allow_tf32, resolve_device, set_cuda_allocator_default
 from nmt.errors import CheckpointError, DistributedError, NmtError, TrainingAborted, UsageError
 from nmt.host_memory import keep_freed_memory, limit_onednn_cache
-from nmt.model import Transformer
+from nmt.model.transformer import Transformer
 from nmt.precision import emulation_note, grad_scaler, resolve_precision
 from nmt.train.best import BestTracker
 from nmt.train.distributed import (

@@ -20,7 +20,7 @@ _TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 
 def recipe_training(data_dir: Path) -> tuple[dict[str, Any], str | None]:
     """The `[training]` table of DATA's recipe and the recipe's name ({} if none)."""
-    from nmt.recipes import load_recipe
+    from nmt.data.recipes import load_recipe
 
     try:
         manifest = json.loads((Path(data_dir) / "manifest.json").read_text("utf-8"))

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from nmt.model import Transformer
+from nmt.model.transformer import Transformer
 from nmt.precision import autocast
 from nmt.train.ema import WeightAverage
 from nmt.train.feed import Micro

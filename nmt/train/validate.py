@@ -15,10 +15,10 @@ import torch
 from nmt.config import DecodeConfig, TrainConfig
 from nmt.data.batching import batch_by_tokens, collate
 from nmt.data.dataset import ParallelData
+from nmt.data.vocab import Vocab
 from nmt.precision import autocast, resolve_precision
 from nmt.train.distributed import DistEnv
 from nmt.train.loss import label_smoothed_nll
-from nmt.vocab import Vocab
 
 
 @torch.no_grad()
@@ -64,7 +64,7 @@ def decode_scores(model: torch.nn.Module, data: ParallelData, vocab: Vocab, cfg:
     settings (beam 4, alpha 0.6, source + 50), --valid-beam to change the beam (1:
     greedy). Batches of --max-tokens source tokens, shrunk by the beam so the decoder
     holds about as many rows as a training batch."""
-    from nmt.decoding import search_ids
+    from nmt.inference.decoding import search_ids
     from nmt.score import corpus_scores
 
     search = DecodeConfig(beam=cfg.valid_beam or DecodeConfig().beam)

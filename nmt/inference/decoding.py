@@ -1,19 +1,19 @@
 """Incremental decoding of a Transformer for search: one target position per step.
 
 `init_state` computes the cross-attention K/V of every decoder layer once per sentence and
-opens an empty key/value cache (its layout and memory: nmt/kv_cache.py); `decode_step`
+opens an empty key/value cache (its layout and memory: nmt/inference/kv_cache.py); `decode_step`
 feeds each row's newest token at the next position and returns next-token logits for that
 position only. `ModelStepDecoder` adapts this to the search's `StepDecoder` protocol
-(nmt/search.py): float32 log-probabilities, row reordering, finished rows skipped; search
+(nmt/inference/search.py): float32 log-probabilities, row reordering, finished rows skipped; search
 code never sees a cache. `greedy_search` is the one-call greedy decoder validation uses.
 
 Memory has an explicit owner. A `DecodingWorkspace` (one per model, kept by a Translator)
 holds the packed copy of the model's output projection when its linears are packed
-(nmt/packed_linear.py) and lends the (rows, vocab) logits buffer its previous batch's
+(nmt/inference/packed_linear.py) and lends the (rows, vocab) logits buffer its previous batch's
 decoder left to the next one (`with workspace.decoder(src) as decoder: ...`). The key/value
 caches are plain tensors freed with their decoder: on CPU the translator keeps glibc from
 unmapping freed blocks (nmt/host_memory.py), so the next batch reuses mapped pages without
-a pool of ours (see nmt/kv_cache.py). Nothing global, no finalisers.
+a pool of ours (see nmt/inference/kv_cache.py). Nothing global, no finalisers.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from nmt.config import DecodeConfig
-from nmt.kv_cache import (
+from nmt.inference.kv_cache import (
     INITIAL_CAPACITY,
     DecoderState,
     check_live,
@@ -35,9 +35,9 @@ from nmt.kv_cache import (
     reserve_cache,
     slot_mask,
 )
-from nmt.model import EncoderOutput, Transformer
-from nmt.packed_linear import PackedLinear, is_packed
-from nmt.search import beam_search, greedy_decode, max_output_lengths
+from nmt.inference.packed_linear import PackedLinear, is_packed
+from nmt.inference.search import beam_search, greedy_decode, max_output_lengths
+from nmt.model.transformer import EncoderOutput, Transformer
 
 _DEFAULTS = DecodeConfig()
 

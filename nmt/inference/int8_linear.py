@@ -20,7 +20,7 @@ caps the kernels at AVX2 on a VNNI machine).
 
 The output projection (the shared embedding matrix, vocab x d_model) is int8 too unless
 `NMT_INT8_OUTPUT=0`, which keeps it in float32 (packed for oneDNN as in
-nmt/packed_linear.py): it is the largest matmul, and its quality cost is measured in
+nmt/inference/packed_linear.py): it is the largest matmul, and its quality cost is measured in
 README.md. The model is inference-only afterwards (the int8 weights are snapshots, not
 parameters, not in `state_dict()`).
 
@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nmt.packed_linear import PackedLinear, swap_linears
-from nmt.packed_linear import available as packed_available
+from nmt.inference.packed_linear import PackedLinear, swap_linears
+from nmt.inference.packed_linear import available as packed_available
 
 KERNELS = ("fbgemm", "onednn")
 # Output elements (rows x out_features) from which oneDNN beats FBGEMM (bench/int8_kernels.py:

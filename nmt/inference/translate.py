@@ -24,23 +24,23 @@ import torch
 from nmt.checkpoint import load_model
 from nmt.config import DECODE_PRECISIONS, DecodeConfig
 from nmt.data.batching import batch_by_tokens
-from nmt.decoding import DecodingWorkspace
+from nmt.data.vocab import Vocab
 from nmt.device import resolve_device
 from nmt.errors import CheckpointError, DataError, UsageError
 from nmt.host_memory import keep_freed_memory
-from nmt.int8_linear import output_projection as int8_output_projection
-from nmt.int8_linear import quantize_for_inference
-from nmt.packed_linear import pack_for_inference
-from nmt.precision import resolve_precision
-from nmt.search import (
+from nmt.inference.decoding import DecodingWorkspace
+from nmt.inference.int8_linear import output_projection as int8_output_projection
+from nmt.inference.int8_linear import quantize_for_inference
+from nmt.inference.packed_linear import pack_for_inference
+from nmt.inference.search import (
     EnsembleStepDecoder,
     Hypothesis,
     beam_search,
     max_output_lengths,
     sample_decode,
 )
+from nmt.precision import resolve_precision
 from nmt.special_ids import EOS_ID, PAD_ID
-from nmt.vocab import Vocab
 
 ERROR_MODES = ("replace", "strict")
 _D = DecodeConfig()

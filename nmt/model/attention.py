@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nmt.dropout import dropout
+from nmt.model.dropout import dropout
 
 
 def xavier_chunks_(linear: nn.Linear, sizes: list[int], gain: float = 1.0) -> None:

@@ -17,7 +17,7 @@ pages anyway and grew without bound, 1.1 GB after 10 batches; without it a long 
 translates 20 % faster at fp32 and 28 % at int8, and the memory stays flat: see README.)
 
 Tensor bookkeeping only: the sizes come from the cross-attention K/V the caller computed;
-capacities arrive already capped by the model's positions (see nmt/decoding.py).
+capacities arrive already capped by the model's positions (see nmt/inference/decoding.py).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class DecoderState:
     the key of the prefix row (b, s) now extends; beam reordering permutes `ancestry`
     rows instead of copying the caches (see `reorder_cache`).
     `attention_layer` picks the decoder layer whose encoder-decoder attention
-    `decode_step(..., need_attention=True)` (nmt/decoding.py) stores in `attention`
+    `decode_step(..., need_attention=True)` (nmt/inference/decoding.py) stores in `attention`
     (n, heads, src_len).
     """
 

@@ -1,12 +1,12 @@
 """Greedy, beam and sampling search over a step decoder; no file I/O, no printing.
 
-Everything here works on a `StepDecoder`: something that, given the newest token of every
-row, returns next-token log-probabilities, and that can reorder its rows. The model adapter
-(`ModelStepDecoder`, nmt/decoding.py) encodes the source once and then feeds the incremental
-decoder; `EnsembleStepDecoder` averages several step decoders. Tests drive the same search
-with a fake decoder whose probabilities are a hand-written table. Imports torch and the
-special ids only: the settings (beam, alpha, lengths) come from the caller, whose defaults
-live in `nmt.config.DecodeConfig`.
+Everything here works on a `StepDecoder`: something that, given the newest token of every row,
+returns next-token log-probabilities, and that can reorder its rows. The model adapter
+(`ModelStepDecoder`, nmt/inference/decoding.py) encodes the source once and then feeds the
+incremental decoder; `EnsembleStepDecoder` averages several step decoders. Tests drive the same
+search with a fake decoder whose probabilities are a hand-written table. Imports torch and the
+special ids only: the settings (beam, alpha, lengths) come from the caller, whose defaults live
+in `nmt.config.DecodeConfig`.
 
 Conventions (documented in `nmt translate --help`):
 - A hypothesis is `pieces + [EOS]`; its length |Y| for the length penalty COUNTS the EOS

@@ -6,7 +6,7 @@ pair, the cleaning rules of the training data and the vocabulary size `nmt bpe` 
 key is checked here, once: an unknown key or a bad value is a UsageError naming the recipe
 (file), the key and the valid choices, so the rest of the pipeline can trust a `Recipe`.
 `recipe_from_data` validates a recipe built in memory (`nmt prep --train ...`, see
-nmt/local_recipe.py) the same way.
+nmt/data/local_recipe.py) the same way.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Encoder-decoder attention maps of a finished translation (`nmt translate --attention`).
 
 The map is computed AFTER the search, by teacher-forcing the chosen hypothesis through the
-model's incremental decoder (nmt/decoding.py) with `need_attention=True`: `init_state`,
+model's incremental decoder (nmt/inference/decoding.py) with `need_attention=True`: `init_state`,
 then `decode_step` over [BOS] + hypothesis pieces, one step per output piece. Step i
 predicts output piece i (the last step predicts EOS), so row i of the map is "where the
 decoder looked while producing output piece i". This keeps the plot independent of the
@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from nmt.decoding import decode_step, init_state
+from nmt.data.vocab import Vocab
 from nmt.errors import UsageError
-from nmt.model import Transformer
-from nmt.search import Hypothesis
+from nmt.inference.decoding import decode_step, init_state
+from nmt.inference.search import Hypothesis
+from nmt.model.transformer import Transformer
 from nmt.special_ids import BOS_ID, EOS_ID
-from nmt.vocab import Vocab
 
 HEAD_MODES = ("mean", "all")
 

@@ -22,9 +22,9 @@ from nmt.cores import available_cores
 from nmt.data.clean import Counts, PairCleaner, clean_pairs, without_line_breaks
 from nmt.data.dedup import DigestSet
 from nmt.data.download import NullReporter, Reporter
+from nmt.data.recipes import SPLITS, Corpus, Recipe, load_recipe
 from nmt.data.sources import ArchiveFiles
 from nmt.fileio import atomic_output, sha256_file
-from nmt.recipes import SPLITS, Corpus, Recipe, load_recipe
 
 MANIFEST = "manifest.json"
 # Bumped whenever the same inputs and settings would give different output text, so data
@@ -44,7 +44,7 @@ def prepare(recipe_ref: str | Recipe, out: Path | None = None, mirror: Path | No
             workers: int | None = None, reporter: Reporter | None = None,
             report: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
     """Run every unfinished step of a recipe (name, .toml path, or one built in memory,
-    e.g. by nmt.local_recipe.files_recipe) into `out`; return the manifest.
+    e.g. by nmt.data.local_recipe.files_recipe) into `out`; return the manifest.
 
     `workers`: processes cleaning the training text (None: every core this process may
     use); the output is the same for any number. `report` receives one-line notes (a split

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nmt.attention import CrossAttention, SelfAttention, xavier_chunks_
 from nmt.config import ModelConfig
-from nmt.dropout import dropout
 from nmt.errors import UsageError
+from nmt.model.attention import CrossAttention, SelfAttention, xavier_chunks_
+from nmt.model.dropout import dropout
 
 
 def sinusoids(length: int, d_model: int) -> Tensor:

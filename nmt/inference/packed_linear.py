@@ -8,9 +8,9 @@ oneDNN (`torch.ops.mkldnn._linear_pointwise`) 205-240 GFLOP/s; no MKL setting ch
 but reorder the weight into oneDNN's blocked layout at every call; packing it once saves
 that too (16 rows x 8000 outputs: 231 -> 154 us; identical output).
 
-`pack_for_inference(model)` swaps every `nn.Linear` of a module for a `PackedLinear` holding
-the packed weight; the Transformer's output projection (the shared embedding matrix, not a
-linear layer) gets its packed copy from nmt/decoding.py, when `is_packed(model)`. The model
+`pack_for_inference(model)` swaps every `nn.Linear` of a module for a `PackedLinear` holding the
+packed weight; the Transformer's output projection (the shared embedding matrix, not a linear
+layer) gets its packed copy from nmt/inference/decoding.py, when `is_packed(model)`. The model
 is inference-only afterwards: its linear weights are packed snapshots (not parameters, not in
 `state_dict()`), so it must not be trained or saved. Results agree with `F.linear` to float
 rounding (max |diff| ~4e-6 on logits of order 10; accumulation order differs).

@@ -22,9 +22,9 @@ from typing import Any
 from nmt.cores import available_cores
 from nmt.data.binarize import CHUNK_LINES, binarize_file, side_paths, token_dtype
 from nmt.data.dataset import BIN_DIR, META_FILE, SPM_MODEL
+from nmt.data.vocab import NORMALIZATION, Vocab, train_vocab
 from nmt.errors import CheckpointError, DataError, UsageError
 from nmt.fileio import atomic_write_bytes, count_lines, sha256_file
-from nmt.vocab import NORMALIZATION, Vocab, train_vocab
 
 META_FORMAT = "nmt-bin-v1"
 SPLITS = ("train", "valid", "test")

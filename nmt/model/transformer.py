@@ -11,7 +11,7 @@ projects only the non-padding target positions to the vocabulary (`decode_featur
 `logits` do the same outside DistributedDataParallel).
 
 Incremental decoding (one target position at a time over a key/value cache, for search)
-lives in nmt/decoding.py; it drives the same modules through `embed_tokens`, the layers'
+lives in nmt/inference/decoding.py; it drives the same modules through `embed_tokens`, the layers'
 `step` methods and `dec_norm`. Inputs longer than `cfg.max_positions` raise UsageError;
 `nmt translate` truncates first. Imports torch and the network modules only: no files, no
 CLI, no search.
@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nmt.attention import key_padding_mask
 from nmt.config import ModelConfig
-from nmt.dropout import dropout
-from nmt.layers import DecoderLayer, EncoderLayer, Positions, embedding_scale
+from nmt.model.attention import key_padding_mask
+from nmt.model.dropout import dropout
+from nmt.model.layers import DecoderLayer, EncoderLayer, Positions, embedding_scale
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """A recipe for files already on this machine, from `nmt prep --train ... --valid ... --test`.
 
 No TOML to write: the flags become the same tree a recipe file holds (archives with a local
-`path`, the three splits, `[cleaning]`), validated by nmt.recipes and prepared by nmt.prep
+`path`, the three splits, `[cleaning]`), validated by nmt.data.recipes and prepared by nmt.data.prep
 exactly like a shipped recipe: same cleaning, manifest, atomic and idempotent outputs, and
 dev/test copied unfiltered. Files are read where they lie, never copied; the manifest
 records each one's path and sha256, so a re-run on other files redoes what they feed.
@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from nmt.data.recipes import Cleaning, Recipe, recipe_from_data
 from nmt.errors import UsageError
-from nmt.recipes import Cleaning, Recipe, recipe_from_data
 
 _WEIGHT = re.compile(r"(?P<files>.+):(?P<weight>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)")
 _UNSAFE_ID = re.compile(r"[^A-Za-z0-9_.-]")

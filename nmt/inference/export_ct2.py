@@ -10,7 +10,7 @@ quantizes and writes `model.bin`, `config.json` and `shared_vocabulary.json`:
 - one embedding matrix for source, target and output projection (CTranslate2 stores it
   once, as aliases), scaled by sqrt(d_model) on input (`scale_embeddings`);
 - explicit position tables for the encoder and the decoder: CTranslate2's built-in
-  sinusoids put sines and cosines in two halves, nmt interleaves them (nmt/layers.py), so
+  sinusoids put sines and cosines in two halves, nmt interleaves them (nmt/model/layers.py), so
   the table is always written (learned tables as they are);
 - the vocabulary is the sentencepiece pieces in id order, so token i is id i; nmt's
   special pieces become CTranslate2's unk/bos/eos tokens, decoding starts from BOS (nmt's
@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
+from nmt.data.vocab import BOS_ID, EOS_ID, UNK_ID, Vocab
 from nmt.errors import CheckpointError, DataError, UsageError
-from nmt.vocab import BOS_ID, EOS_ID, UNK_ID, Vocab
 
 QUANTIZATIONS = ("float32", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16",
                  "float16", "bfloat16")
@@ -97,7 +97,7 @@ def build_spec(model: Any, vocab: Vocab) -> Any:
     encoder.embeddings[0].weight = embed
     decoder.embeddings.weight = embed
     decoder.projection.weight = embed
-    encoder.scale_embeddings = True  # sqrt(d_model), nmt/layers.py embedding_scale
+    encoder.scale_embeddings = True  # sqrt(d_model), nmt/model/layers.py embedding_scale
     decoder.scale_embeddings = True
     encoder.position_encodings.encodings = _positions(model.enc_positions)
     decoder.position_encodings.encodings = _positions(model.dec_positions)

@@ -1,0 +1,13 @@
+"""Using a trained model: everything between a checkpoint and translated text.
+
+- `search`: beam search, greedy and sampling as pure functions around a step function
+  (torch and the special ids only; tested with scripted probabilities).
+- `decoding`: the model as that step function (incremental decoding, one position a step),
+  over the key/value caches of `kv_cache`, which no other module sees.
+- `translate`: the streaming pipeline of `nmt translate` (read, sort, batch, search, write
+  in input order) and the `Translator` that loads a model once.
+- `packed_linear`, `int8_linear`: faster CPU linears swapped in for inference.
+- `attention_map`: encoder-decoder attention heatmaps; `export_ct2`: the CTranslate2 exporter.
+
+May import the shared top-level modules, nmt.model and nmt.data; never nmt.train.
+"""

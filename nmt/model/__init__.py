@@ -1,0 +1,8 @@
+"""The network of the paper, and nothing else: `transformer.Transformer` (embeddings,
+encoder, decoder, shared output projection), `layers` (encoder/decoder layers, feed-forward),
+`attention` (multi-head attention over fused SDPA) and `dropout`.
+
+Imports torch, nmt.config and nmt.errors only (tests/test_dependencies.py): no files, no
+CLI, no search. Incremental decoding reaches the layers through their `step` methods and one
+cache interface owned by nmt/inference.
+"""
