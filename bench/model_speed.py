@@ -117,7 +117,6 @@ def bench_decode(kind: str, arch: str, vocab: int, n_sent: int, beam: int, steps
     feeding argmax tokens and reordering rows within each sentence's beam. Sentences/s."""
     if kind == "nmt":  # imported here: the fairseq side runs in its own environment
         from nmt.inference.decoding import decode_step, init_state
-        from nmt.inference.kv_cache import reorder_cache
     torch.manual_seed(0)
     pad = 0 if kind == "nmt" else 1
     model = build(kind, arch, vocab, pad).eval()
@@ -132,11 +131,11 @@ def bench_decode(kind: str, arch: str, vocab: int, n_sent: int, beam: int, steps
         start = clock()
         tokens = torch.full((n_sent * beam,), 2, dtype=torch.long)
         if kind == "nmt":
-            state = reorder_cache(init_state(model, model.encode(src)), expand)
+            state = init_state(model, model.encode(src)).reorder(expand)
             for t in range(steps):
                 logits = decode_step(model, tokens, state)
                 tokens = logits.argmax(-1).clamp(min=4)
-                state = reorder_cache(state, orders[t])
+                state = state.reorder(orders[t])
         else:
             enc = model.encoder(src, src_lengths=src.ne(pad).sum(1))
             enc = model.encoder.reorder_encoder_out(enc, expand)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, BinaryIO
 import typer
 
 from cli.common import console, handle_errors, interrupt_surely, warn
-from nmt.config import DecodeConfig
+from nmt.config import DecodeConfig, RuntimeConfig
 from nmt.errors import DataError
 from nmt.fileio import atomic_write_bytes
 
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from nmt.inference.translate import TranslateStats
 
 _D = DecodeConfig()
+_R = RuntimeConfig()
 
 
 def command(
@@ -60,12 +61,12 @@ def command(
     max_src_len: int = typer.Option(None, "--max-src-len", show_default="model positions "
                                     "- 1", help="Longer lines are truncated (with a "
                                     "warning), never dropped."),
-    errors: str = typer.Option(_D.errors, "--errors", show_default=True,
+    errors: str = typer.Option(_R.errors, "--errors", show_default=True,
                                help="Invalid UTF-8: 'replace' (U+FFFD) or 'strict' (exit 3 "
                                "naming the line)."),
-    device: str = typer.Option(_D.device, "--device", show_default=True,
+    device: str = typer.Option(_R.device, "--device", show_default=True,
                                help="auto | cpu | cuda."),
-    precision: str = typer.Option(_D.precision, "--precision", show_default=True,
+    precision: str = typer.Option(_R.precision, "--precision", show_default=True,
                                   help="auto | fp32 | bf16 | fp16 | int8 model weights "
                                   "(int8: CPU only, int8 linear layers, see README). auto: bf16 "
                                   "where the CPU (AVX512-BF16/AMX) or GPU computes it "
@@ -73,13 +74,13 @@ def command(
                                   "`train` does. Outputs may differ from fp32 in rounding "
                                   "only. On a CPU the linears run through oneDNN with "
                                   "packed weights (fp32 and bf16)."),
-    weights: str = typer.Option(_D.weights, "--weights", show_default=True,
+    weights: str = typer.Option(_R.weights, "--weights", show_default=True,
                                 help="auto | raw | ema: which weights of a checkpoint "
                                 "trained with --ema-decay to use (auto: the EMA ones where "
                                 "the file has them)."),
     stats: bool = typer.Option(False, "--stats", show_default=True,
                                help="Print sentences/s and target tokens/s on stderr."),
-    seed: int = typer.Option(_D.seed, "--seed", show_default=True, help="Seed for --sampling."),
+    seed: int = typer.Option(_R.seed, "--seed", show_default=True, help="Seed for --sampling."),
     attention: Path = typer.Option(None, "--attention", show_default="off",
                                    help="Write DIR/NNNNNN.png per non-empty input line "
                                    "(1-based line number): a heatmap of the encoder-decoder "

@@ -15,6 +15,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from nmt.config import WEIGHTS
 from nmt.errors import CheckpointError, DataError, UsageError
 from nmt.fileio import atomic_write_bytes
 
@@ -143,9 +144,6 @@ def _load_failure(err: Exception) -> str:
     first = text.strip().splitlines()[0].split(". ")[0][:120] if text.strip() else ""
     return (f"not a readable nmt checkpoint ({type(err).__name__}"
             f"{': ' + first if first else ''})")
-
-
-WEIGHTS: tuple[str, ...] = ("auto", "raw", "ema")
 
 
 def model_state(payload: dict[str, Any], weights: str = "auto",

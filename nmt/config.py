@@ -188,7 +188,9 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Search settings; the defaults are the paper's (section 6.1)."""
+    """Search and batching settings of translation (what a Translator reads on every
+    batch); the search defaults are the paper's (section 6.1). How the model runs (device,
+    precision, weights, seed, input errors) is `RuntimeConfig`."""
 
     beam: int = 4
     alpha: float = 0.6  # GNMT length penalty exponent; larger favours longer output
@@ -203,16 +205,10 @@ class DecodeConfig:
     max_tokens: int = 8192  # per batch: padded tokens of the (source) side, EOS included,
     # as training's --max-tokens counts them (nmt.data.batching.batch_by_tokens)
     buffer_size: int = 2000  # lines read ahead and length-sorted before batching
-    # How the model runs (nmt translate's flags; Translator.load's defaults).
-    device: str = "auto"  # see DEVICES
-    precision: str = "auto"  # see DECODE_PRECISIONS: bf16 where native, else fp32
-    weights: str = "auto"  # auto | raw | ema: a checkpoint's EMA weights where it has them
-    seed: int = 1  # for --sampling
-    errors: str = "replace"  # invalid UTF-8 input: replace (U+FFFD) | strict (exit 3)
 
     def __post_init__(self) -> None:
         _check_positive(self, ("beam", "nbest", "max_tokens", "buffer_size"))
-        _check_non_negative(self, ("max_len_a", "max_len_b", "top_k", "seed"))
+        _check_non_negative(self, ("max_len_a", "max_len_b", "top_k"))
         if self.nbest > self.beam and not self.sampling:
             raise UsageError(f"--nbest {self.nbest} exceeds --beam {self.beam}; "
                              "raise the beam or lower nbest")
@@ -224,6 +220,31 @@ class DecodeConfig:
             raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.temperature <= 0:
             raise UsageError(f"--temperature must be > 0, got {self.temperature}")
+
+
+WEIGHTS: tuple[str, ...] = ("auto", "raw", "ema")  # which weights of an --ema-decay checkpoint
+ERROR_MODES: tuple[str, ...] = ("replace", "strict")  # invalid UTF-8 in translation input
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How a model runs for translation: `nmt translate`'s flags and the Python API's
+    defaults, checked once here (the device's availability is checked when resolved)."""
+
+    device: str = "auto"  # see DEVICES
+    precision: str = "auto"  # see DECODE_PRECISIONS: bf16 where native, else fp32
+    weights: str = "auto"  # see WEIGHTS: a checkpoint's EMA weights where it has them
+    seed: int = 1  # for --sampling
+    errors: str = "replace"  # see ERROR_MODES: replace (U+FFFD) | strict (exit 3)
+
+    def __post_init__(self) -> None:
+        _check_non_negative(self, ("seed",))
+        for name, choices in (("device", DEVICES), ("precision", DECODE_PRECISIONS),
+                              ("weights", WEIGHTS), ("errors", ERROR_MODES)):
+            value = getattr(self, name)
+            if value not in choices:
+                raise UsageError(f"unknown --{name} {value!r}; choose one of: "
+                                 f"{', '.join(choices)}")
 
 
 def _check_positive(obj: object, names: tuple[str, ...]) -> None:

@@ -2,7 +2,8 @@
 Transformers: the cache equals full re-decoding through expansion, reordering, growth and
 shrinking; search through the model adapter keeps the invariants (a sentence alone equals it
 inside a batch, incremental equals full re-decoding, lazy compaction equals eager); memory is
-handed on explicitly through a DecodingWorkspace."""
+handed on explicitly through a DecodingWorkspace; the fast grouped cache equals the plain
+reference cache (nmt/inference/plain_cache.py) step by step and through whole searches."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from nmt.inference.decoding import (
     greedy_search,
     init_state,
 )
-from nmt.inference.kv_cache import INITIAL_CAPACITY, reorder_cache
+from nmt.inference.kv_cache import INITIAL_CAPACITY
 from nmt.inference.search import beam_search, max_output_lengths
 from nmt.model.transformer import Transformer
 from nmt.special_ids import BOS_ID, EOS_ID, PAD_ID
@@ -58,14 +59,14 @@ def test_incremental_decoding_equals_full_decode_with_reorder_and_expand():
     # must keep matching the full decode of the sentence and prefix it now holds.
     beam = 2
     expand = torch.arange(3).repeat_interleave(beam)  # rows 0 0 1 1 2 2
-    state = reorder_cache(init_state(model, model.encode(src)), expand)
+    state = init_state(model, model.encode(src)).reorder(expand)
     source_of_row = expand
     reorders = {3: torch.tensor([1, 0, 5, 4, 2, 3]), 10: torch.tensor([1, 1, 2, 3, 5, 5]),
                 11: torch.tensor([1, 0, 3, 2, 5, 4]), 12: torch.tensor([0, 0, 2, 2, 4, 4]),
                 18: torch.tensor([4, 0, 2])}
     for t in range(tgt.size(1)):
         if t in reorders:
-            state = reorder_cache(state, reorders[t])
+            state = state.reorder(reorders[t])
             source_of_row = source_of_row.index_select(0, reorders[t])
         logits = decode_step(model, tgt.index_select(0, source_of_row)[:, t], state)
         torch.testing.assert_close(logits, full.index_select(0, source_of_row)[:, t],
@@ -123,12 +124,79 @@ def test_too_long_target_raises_usage_error():
 def test_reorder_consumes_the_old_state():
     model = make_model()
     state = init_state(model, model.encode(random_batch([4, 3], seed=23)))
-    new = reorder_cache(state, torch.tensor([1, 0]))
+    new = state.reorder(torch.tensor([1, 0]))
     with pytest.raises(RuntimeError, match="consumed"):
         decode_step(model, torch.tensor([BOS_ID, BOS_ID]), state)
     with pytest.raises(RuntimeError, match="consumed"):
-        reorder_cache(state, torch.tensor([0, 1]))
+        state.reorder(torch.tensor([0, 1]))
     assert decode_step(model, torch.tensor([BOS_ID, BOS_ID]), new).shape == (2, VOCAB)
+
+
+# --- The fast cache against the plain reference -----------------------------------------
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("variant", [{}, {"pre_norm": True}, {"d_k": 8, "d_v": 24}])
+def test_grouped_cache_equals_plain_cache_step_by_step(variant: dict) -> None:
+    """The grouped layout (slots, ancestry mask, lazy group copies, growth) gives the same
+    logits and attention as the plain per-row cache through every kind of reorder the
+    search makes: expansion, permutations within beams, across sentences, duplicates,
+    shrinking, a change of layout, and steps that feed only some rows."""
+    model = make_model(seed=4, **variant)
+    src = random_batch([7, 4, 5], seed=9)
+    enc = model.encode(src)
+    caches = {name: init_state(model, enc, attention_layer=1, cache=name)
+              for name in ("grouped", "plain")}
+    beam, steps = 3, 2 * INITIAL_CAPACITY + 3  # grows twice
+    expand = torch.arange(3).repeat_interleave(beam)
+    reorders = {0: expand, 4: torch.tensor([1, 0, 2, 5, 3, 4, 8, 7, 6]),
+                7: torch.tensor([0, 0, 1, 3, 3, 3, 8, 8, 6]),
+                9: torch.tensor([6, 7, 8, 0, 1, 2, 3, 4, 5]),  # sentences swap places
+                12: torch.tensor([3, 4, 5, 6, 7, 8]),  # the first sentence leaves
+                20: torch.tensor([2, 0, 5, 3]),  # not whole beams: one row per group
+                25: torch.tensor([1, 0, 3, 2])}
+    live = {14: torch.tensor([0, 1, 2]), 15: torch.tensor([0, 1, 2])}  # sentence 2 done
+    gen = torch.Generator().manual_seed(5)
+    rows, layouts = 3, []
+    for t in range(steps):
+        if t in reorders:
+            caches = {name: c.reorder(reorders[t]) for name, c in caches.items()}
+            rows = reorders[t].numel()
+            layouts.append(caches["grouped"].group_size)
+        if t in live:
+            ids = torch.randint(4, VOCAB, (live[t].numel(),), generator=gen)
+            out = {name: decode_step(model, ids, c, need_attention=True, live=live[t])
+                   for name, c in caches.items()}
+        else:
+            ids = torch.randint(4, VOCAB, (rows,), generator=gen)
+            out = {name: decode_step(model, ids, c, need_attention=True)
+                   for name, c in caches.items()}
+        torch.testing.assert_close(out["grouped"], out["plain"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(caches["grouped"].attention, caches["plain"].attention,
+                                   rtol=1e-5, atol=1e-6)
+    assert layouts == [3, 3, 3, 3, 3, 1, 1]  # grouped beams, then the per-row fallback
+    assert caches["grouped"].capacity >= steps
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("alpha", [0.0, 0.6])
+def test_beam_search_over_grouped_cache_equals_plain_cache(alpha: float) -> None:
+    """The whole search, compaction of finished sentences included, finds the same
+    hypotheses with the same scores over either cache."""
+    model = tiny_model(seed=13)
+    sources = SOURCES + [[7, 7, 8], [30, 31], [12, 13, 14, 15, 16]]
+    src = padded(sources)
+    max_lens = max_output_lengths(src, 1.0, 6, cap=63)
+    found = {}
+    for cache in ("grouped", "plain"):
+        with ModelStepDecoder(model, src, cache=cache) as decoder:
+            found[cache] = beam_search(decoder, max_lens, beam=4, alpha=alpha, nbest=3,
+                                       min_len=1)
+    for fast, plain in zip(found["grouped"], found["plain"], strict=True):
+        assert [h.tokens for h in fast] == [h.tokens for h in plain]
+        for x, y in zip(fast, plain, strict=True):
+            assert x.score == pytest.approx(y.score, abs=1e-5)
+    assert len({tuple(h[0].tokens) for h in found["plain"]}) > 3  # outputs differ by input
 
 
 # --- Search invariants on a real (tiny, random-init, sharpened) Transformer ----------

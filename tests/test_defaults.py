@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import typer.models
 
-from nmt.config import DEVICES, DecodeConfig, TrainConfig
+from nmt.config import DEVICES, DecodeConfig, RuntimeConfig, TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,11 +21,11 @@ def _options(command) -> dict[str, typer.models.OptionInfo]:
             if isinstance(p.default, typer.models.OptionInfo)}
 
 
-def test_translate_cli_defaults_are_decode_config_defaults():
+def test_translate_cli_defaults_are_decode_and_runtime_config_defaults():
     from cli.translate import command
 
     options = _options(command)
-    fields = DecodeConfig().__dict__
+    fields = {**DecodeConfig().__dict__, **RuntimeConfig().__dict__}
     shared = set(options) & set(fields)
     assert {"beam", "alpha", "max_len_a", "max_len_b", "min_len", "precision", "device",
             "seed", "weights", "errors", "max_tokens"} <= shared

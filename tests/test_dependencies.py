@@ -7,7 +7,8 @@ from the source with `ast`: every import of every module, lazy ones inside funct
   where checkpoint builds a model (`build_model`, lazily).
 - The network (nmt.model) is torch, nmt.config and nmt.errors alone.
 - `nmt/inference/search.py` is pure algorithms: torch, the standard library and the special ids.
-- Caches live in one place: only nmt/inference/decoding.py imports nmt/inference/kv_cache.py.
+- Caches live in one place: only nmt/inference/decoding.py imports the caches (kv_cache.py,
+  plain_cache.py); the network sees them through nmt/model/incremental.py alone.
 - No import circles between modules, lazy imports included.
 - No `__del__` in the library: lifetimes are explicit (context managers, owner objects).
 """
@@ -27,7 +28,8 @@ LIBRARY = REPO / "nmt"
 FORBIDDEN_IN_LIBRARY = {"cli", "typer", "rich"}  # rich: progress bars are drawn by cli/
 SEARCH_MAY_IMPORT = {"torch", "nmt.special_ids"}
 NETWORK_MAY_IMPORT = {"nmt.config", "nmt.errors"}  # besides torch and nmt.model itself
-CACHE_OWNERS = {"nmt.inference.decoding"}  # the only importers of nmt.inference.kv_cache
+CACHE_OWNERS = {"nmt.inference.decoding"}  # the only importers of the caches
+CACHES = {"nmt.inference.kv_cache", "nmt.inference.plain_cache"}
 PACKAGES = ("nmt.data", "nmt.model", "nmt.inference", "nmt.train")
 # What each layer may import besides the standard library, torch and the other packages:
 # "shared" is every top-level module of nmt (config, checkpoint, errors, ...).
@@ -175,9 +177,8 @@ def test_model_is_the_network_alone() -> None:
 
 
 def test_only_decoding_knows_the_caches() -> None:
-    users = {name for name, path in library_modules().items()
-             if "nmt.inference.kv_cache" in imports(path)}
-    assert users <= CACHE_OWNERS, f"{sorted(users - CACHE_OWNERS)} import nmt.inference.kv_cache"
+    users = {name for name, path in library_modules().items() if CACHES & imports(path)}
+    assert users <= CACHE_OWNERS, f"{sorted(users - CACHE_OWNERS)} import a cache module"
 
 
 @pytest.mark.parametrize("name", sorted(library_modules()))

@@ -158,11 +158,21 @@ def test_negative_counts_and_sizes_are_usage_errors(tmp_path: Path, flag: str, v
 
 @pytest.mark.parametrize(("field", "value"), [("max_len_a", -1.0), ("max_len_b", -1),
                                               ("top_k", -2), ("seed", -1)])
-def test_decode_config_refuses_negative_values(field: str, value: float) -> None:
-    from nmt.config import DecodeConfig
+def test_decode_and_runtime_configs_refuse_negative_values(field: str, value: float) -> None:
+    from nmt.config import DecodeConfig, RuntimeConfig
 
+    config = RuntimeConfig if field == "seed" else DecodeConfig
     with pytest.raises(UsageError, match=f"{field.replace('_', '-')} must be >= 0"):
-        DecodeConfig(**{field: value})
+        config(**{field: value})
+
+
+@pytest.mark.parametrize(("field", "value"), [("device", "tpu"), ("precision", "fp8"),
+                                              ("weights", "best"), ("errors", "ignore")])
+def test_runtime_config_refuses_unknown_choices(field: str, value: str) -> None:
+    from nmt.config import RuntimeConfig
+
+    with pytest.raises(UsageError, match=f"unknown --{field} '{value}'; choose one of: "):
+        RuntimeConfig(**{field: value})
 
 
 def test_start_up_line_names_init_from_and_reset_optimizer(tmp_path: Path) -> None:

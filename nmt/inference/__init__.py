@@ -3,7 +3,8 @@
 - `search`: beam search, greedy and sampling as pure functions around a step function
   (torch and the special ids only; tested with scripted probabilities).
 - `decoding`: the model as that step function (incremental decoding, one position a step),
-  over the key/value caches of `kv_cache`, which no other module sees.
+  over a key/value cache that no other module sees: `kv_cache.GroupedCache` (the fast,
+  grouped layout) or `plain_cache.PlainCache` (the readable reference, tested equal).
 - `translate`: the streaming pipeline of `nmt translate` (read, sort, batch, search, write
   in input order) and the `Translator` that loads a model once.
 - `packed_linear`, `int8_linear`: faster CPU linears swapped in for inference.

@@ -1,11 +1,14 @@
 """Incremental decoding of a Transformer for search: one target position per step.
 
 `init_state` computes the cross-attention K/V of every decoder layer once per sentence and
-opens an empty key/value cache (its layout and memory: nmt/inference/kv_cache.py); `decode_step`
-feeds each row's newest token at the next position and returns next-token logits for that
-position only. `ModelStepDecoder` adapts this to the search's `StepDecoder` protocol
-(nmt/inference/search.py): float32 log-probabilities, row reordering, finished rows skipped; search
-code never sees a cache. `greedy_search` is the one-call greedy decoder validation uses.
+opens an empty key/value cache: `GroupedCache` (nmt/inference/kv_cache.py, the fast layout)
+or the reference `PlainCache` (nmt/inference/plain_cache.py), chosen by name from CACHES.
+`decode_step` feeds each row's newest token at the next position and returns next-token
+logits for that position only; each decoder layer sees its cache through one interface
+(`LayerCache`, nmt/model/incremental.py). `ModelStepDecoder` adapts this to the search's
+`StepDecoder` protocol (nmt/inference/search.py): float32 log-probabilities, row reordering,
+finished rows skipped; search code never sees a cache. `greedy_search` is the one-call
+greedy decoder validation uses.
 
 Memory has an explicit owner. A `DecodingWorkspace` (one per model, kept by a Translator)
 holds the packed copy of the model's output projection when its linears are packed
@@ -18,45 +21,69 @@ a pool of ours (see nmt/inference/kv_cache.py). Nothing global, no finalisers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import TracebackType
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
 from nmt.config import DecodeConfig
-from nmt.inference.kv_cache import (
-    INITIAL_CAPACITY,
-    DecoderState,
-    check_live,
-    grow_cache,
-    new_state,
-    release_cache,
-    reorder_cache,
-    reserve_cache,
-    slot_mask,
-)
+from nmt.inference.kv_cache import GroupedCache
 from nmt.inference.packed_linear import PackedLinear, is_packed
+from nmt.inference.plain_cache import PlainCache
 from nmt.inference.search import beam_search, greedy_decode, max_output_lengths
+from nmt.model.incremental import LayerCache
 from nmt.model.transformer import EncoderOutput, Transformer
 
 _DEFAULTS = DecodeConfig()
 
 
-def init_state(model: Transformer, enc: EncoderOutput, attention_layer: int = -1
-               ) -> DecoderState:
+class DecodingCache(Protocol):
+    """What decoding needs of a key/value cache (GroupedCache, the fast one; PlainCache,
+    the reference): per-layer views for a step, reordering, and an explicit end."""
+
+    step: int  # target tokens fed so far = position of the next one
+    attention_layer: int
+    attention: Tensor | None  # (n, heads, src_len) when a step stored it
+    consumed: bool
+
+    @property
+    def rows(self) -> int: ...
+
+    def layers(self, live: Tensor | None = None) -> Sequence[LayerCache]: ...
+
+    def reorder(self, new_order: Tensor) -> DecodingCache: ...
+
+    def reserve(self, positions: int) -> None: ...
+
+    def release(self) -> None: ...
+
+    def check_live(self) -> None: ...
+
+
+# Caches by name: "grouped" is what translation runs, "plain" the readable reference that
+# tests hold it equal to.
+CACHES: dict[str, type[GroupedCache] | type[PlainCache]] = {
+    "grouped": GroupedCache, "plain": PlainCache}
+
+
+def init_state(model: Transformer, enc: EncoderOutput, attention_layer: int = -1,
+               cache: str = "grouped") -> DecodingCache:
     """Start incremental decoding: cross-attention K/V of every layer, computed once,
-    and an empty self-attention cache; one row (group of size 1) per sentence.
-    `attention_layer` picks the layer whose cross-attention `need_attention` stores."""
+    and an empty self-attention cache of kind `cache` (a CACHES name); one row per
+    sentence. `attention_layer` picks the layer whose cross-attention `need_attention`
+    stores."""
     # Contiguous once here, so every step's matmuls read K/V in place (a transposed
     # view would make each step's bmm copy them).
     cross = [tuple(t.contiguous() for t in layer.cross_attn.project_kv(enc.states))
              for layer in model.decoder]  # per layer (K, V), each (n, heads, src_len, d)
-    return new_state([k for k, _ in cross], [v for _, v in cross], enc.padding_mask,
-                     enc.attn_mask(), min(INITIAL_CAPACITY, model.cfg.max_positions),
-                     attention_layer)
+    return CACHES[cache].start([k for k, _ in cross], [v for _, v in cross],
+                               enc.padding_mask, enc.attn_mask(), model.cfg.max_positions,
+                               attention_layer)
 
 
-def decode_step(model: Transformer, tokens: Tensor, state: DecoderState, *,
+def decode_step(model: Transformer, tokens: Tensor, state: DecodingCache, *,
                 need_attention: bool = False, live: Tensor | None = None,
                 out: Tensor | None = None, projection: PackedLinear | None = None) -> Tensor:
     """Feed the newest token of each row, `tokens` (n,), at position `state.step`;
@@ -78,18 +105,12 @@ def decode_step(model: Transformer, tokens: Tensor, state: DecoderState, *,
     With `need_attention`, the encoder-decoder attention of layer
     `state.attention_layer` is stored in `state.attention` (n or m, heads, src_len).
     """
-    check_live(state)
-    position = state.step
-    positions = model.dec_positions(1, offset=position)  # (1, d_model); checks the limit
-    if position == state.capacity:
-        grow_cache(state, min(2 * position, model.cfg.max_positions))
-    mask = slot_mask(state, position)  # None, or (groups, 1, g, (t+1)*g)
+    state.check_live()
+    positions = model.dec_positions(1, offset=state.step)  # (1, d_model); checks the limit
     x = model.embed_tokens(tokens[:, None], positions)  # (n, 1, d_model)
     want = state.attention_layer % len(model.decoder) if need_attention else -1
-    for i, layer in enumerate(model.decoder):
-        x, weights = layer.step(x, state.self_k[i], state.self_v[i], position, mask,
-                                state.cross_k[i], state.cross_v[i], state.cross_mask,
-                                need_weights=i == want, live=live)
+    for i, (layer, cache) in enumerate(zip(model.decoder, state.layers(live), strict=True)):
+        x, weights = layer.step(x, cache, need_weights=i == want)
         if weights is not None:
             state.attention = weights  # (n, heads, src_len)
     if model.dec_norm is not None:
@@ -157,9 +178,9 @@ class ModelStepDecoder:
     """
 
     def __init__(self, model: Transformer, src: Tensor,
-                 workspace: DecodingWorkspace | None = None) -> None:
+                 workspace: DecodingWorkspace | None = None, cache: str = "grouped") -> None:
         self.model = model
-        self.state = init_state(model, model.encode(src))
+        self.state = init_state(model, model.encode(src), cache=cache)
         self.projection = None if workspace is None else workspace.projection
         self._workspace = workspace if src.device.type == "cpu" else None
         self._logits = self._workspace.take() if self._workspace is not None else None
@@ -176,7 +197,7 @@ class ModelStepDecoder:
         next decoder. Idempotent."""
         if self.state.consumed:
             return
-        release_cache(self.state)
+        self.state.release()
         if self._workspace is not None:
             self._workspace.give_back(self._logits)
 
@@ -196,11 +217,11 @@ class ModelStepDecoder:
     def reserve(self, positions: int) -> None:
         """Preallocate the key/value caches for `positions` target tokens (capped by the
         model's positions)."""
-        reserve_cache(self.state, min(positions, self.model.cfg.max_positions))
+        self.state.reserve(positions)
 
     def reorder(self, new_order: Tensor) -> None:
         """Select/duplicate rows of the key/value cache and the encoder mask."""
-        self.state = reorder_cache(self.state, new_order)
+        self.state = self.state.reorder(new_order)
 
     def _out(self, rows: int) -> Tensor | None:
         """The reused logits buffer, grown to at least `rows` rows (model dtype); None when

@@ -1,13 +1,17 @@
-"""The key/value cache of incremental decoding: its grouped layout, reordering and memory.
+"""The fast key/value cache of incremental decoding: its grouped layout, reordering and memory.
+
+`GroupedCache` is what `nmt translate` decodes with; nmt/inference/plain_cache.py is the
+readable reference it is tested equal to. Both serve the network through one interface
+(`LayerCache`, nmt/model/incremental.py): a layer writes this position's key/value and
+reads back what to attend over; the layout below is invisible to it and to the search.
 
 The cache is organised by GROUP: the g rows of one sentence (its beam) share one copy of
 the cross-attention K/V, and their self-attention K/V live in g slots of preallocated
-per-group buffers, written in place one position per step (by `SelfAttention.step`). A
-reorder within the groups (beam search's per-step reordering) copies no key or value: it
-only permutes a small ancestry table (which slot holds each row's key at each position)
-that the attention turns into a mask (`slot_mask`). Whole groups are copied only when
-sentences leave (shrink) or the layout changes; using a state after `reorder_cache`
-consumed it raises.
+per-group buffers, written in place one position per step. A reorder within the groups
+(beam search's per-step reordering) copies no key or value: it only permutes a small
+ancestry table (which slot holds each row's key at each position) that becomes the
+attention mask (`slot_mask`). Whole groups are copied only when sentences leave (shrink)
+or the layout changes; using a state after `reorder` consumed it raises.
 
 Memory: buffers are plain tensors, freed when no state holds them. There is no pool of
 our own: on CPU the translator keeps glibc from unmapping freed blocks
@@ -17,7 +21,7 @@ pages anyway and grew without bound, 1.1 GB after 10 batches; without it a long 
 translates 20 % faster at fp32 and 28 % at int8, and the memory stays flat: see README.)
 
 Tensor bookkeeping only: the sizes come from the cross-attention K/V the caller computed;
-capacities arrive already capped by the model's positions (see nmt/inference/decoding.py).
+capacities never exceed `limit`, the model's positions (see nmt/inference/decoding.py).
 """
 
 from __future__ import annotations
@@ -31,16 +35,16 @@ INITIAL_CAPACITY = 16  # target positions preallocated by a new state; doubled w
 
 
 @dataclass
-class DecoderState:
+class GroupedCache:
     """Everything incremental decoding caches, for n = groups * g rows, g rows per group.
 
     Row r is slot r % g of group r // g. A group is one sentence (g = beam during beam
     search, 1 before the expansion), so the encoder side is stored once per group. The
     self-attention keys/values of every layer live in buffers (groups, heads, capacity,
-    g, d) whose capacity doubles when full; each step writes row r's newest key into
-    its own slot. `ancestry[b, s, p]` is the slot of group b that holds, at position p,
-    the key of the prefix row (b, s) now extends; beam reordering permutes `ancestry`
-    rows instead of copying the caches (see `reorder_cache`).
+    g, d) whose capacity doubles when full (up to `limit`); each step writes row r's newest
+    key into its own slot. `ancestry[b, s, p]` is the slot of group b that holds, at
+    position p, the key of the prefix row (b, s) now extends; beam reordering permutes
+    `ancestry` rows instead of copying the caches (see `reorder`).
     `attention_layer` picks the decoder layer whose encoder-decoder attention
     `decode_step(..., need_attention=True)` (nmt/inference/decoding.py) stores in `attention`
     (n, heads, src_len).
@@ -53,11 +57,27 @@ class DecoderState:
     self_k: list[Tensor]  # per layer (groups, heads, capacity, g, d_k); positions >= step unused
     self_v: list[Tensor]  # per layer (groups, heads, capacity, g, d_v)
     ancestry: Tensor  # (groups, g, capacity) long: slot holding each row's key per position
+    limit: int  # the model's positions: the caches never grow beyond
     group_size: int = 1  # g
     step: int = 0  # number of target tokens fed so far = position of the next one
     attention_layer: int = -1
     attention: Tensor | None = None
-    consumed: bool = False  # set by reorder_cache / release_cache: no longer usable
+    consumed: bool = False  # set by reorder / release: no longer usable
+
+    @classmethod
+    def start(cls, cross_k: list[Tensor], cross_v: list[Tensor], padding_mask: Tensor,
+              cross_mask: Tensor | None, limit: int, attention_layer: int = -1
+              ) -> GroupedCache:
+        """A state of one row (group of size 1) per sentence around the per-layer cross
+        K/V (n, heads, src_len, d), with empty self-attention caches of INITIAL_CAPACITY
+        positions (at most `limit`)."""
+        n, capacity = cross_k[0].size(0), min(INITIAL_CAPACITY, limit)
+        self_k, self_v = _empty_caches(cross_k, cross_v, n, capacity, 1)
+        return cls(cross_k=cross_k, cross_v=cross_v, padding_mask=padding_mask,
+                   cross_mask=cross_mask, self_k=self_k, self_v=self_v,
+                   ancestry=torch.zeros(n, 1, capacity, dtype=torch.long,
+                                        device=padding_mask.device),
+                   limit=limit, attention_layer=attention_layer)
 
     @property
     def rows(self) -> int:
@@ -69,22 +89,138 @@ class DecoderState:
         """Target positions the caches hold before they must grow."""
         return self.ancestry.size(2)
 
+    def layers(self, live: Tensor | None = None) -> list[_GroupedLayer]:
+        """Open the step at position `self.step`: every layer's view of the caches, with
+        `live` (m,) the rows fed (None: all). The caller advances `step` afterwards."""
+        self.check_live()
+        position = self.step
+        if position == self.capacity:
+            self.grow(min(2 * position, self.limit))
+        mask = slot_mask(self, position)  # None, or (groups, 1, g, (t+1)*g)
+        return [_GroupedLayer(self, i, position, mask, live) for i in range(len(self.self_k))]
 
-def new_state(cross_k: list[Tensor], cross_v: list[Tensor], padding_mask: Tensor,
-              cross_mask: Tensor | None, capacity: int, attention_layer: int = -1
-              ) -> DecoderState:
-    """A state of one row (group of size 1) per sentence around the per-layer cross K/V
-    (n, heads, src_len, d), with empty self-attention caches of `capacity` positions."""
-    n = cross_k[0].size(0)
-    self_k, self_v = _empty_caches(cross_k, cross_v, n, capacity, 1)
-    return DecoderState(cross_k=cross_k, cross_v=cross_v, padding_mask=padding_mask,
-                        cross_mask=cross_mask, self_k=self_k, self_v=self_v,
-                        ancestry=torch.zeros(n, 1, capacity, dtype=torch.long,
-                                             device=padding_mask.device),
-                        attention_layer=attention_layer)
+    def reserve(self, positions: int) -> None:
+        """Make room for `positions` target tokens in all (capped by `limit`), so a search
+        that knows its length limit grows the caches once, before the first step, instead
+        of copying them at every doubling. Untouched capacity costs address space only."""
+        self.check_live()
+        positions = min(positions, self.limit)
+        if positions > self.capacity:
+            self.grow(positions)
+
+    def release(self) -> None:
+        """End incremental decoding: the state is consumed (a later step raises) and its
+        caches are dropped, so their memory is free for the next batch's."""
+        self.check_live()
+        self.consumed = True
+        self.self_k, self.self_v = [], []
+
+    def check_live(self) -> None:
+        """Refuse a state whose buffers were handed to a newer one by `reorder`."""
+        if self.consumed:
+            raise RuntimeError("this decoder state was consumed by reorder; "
+                               "use the state it returned")
+
+    def grow(self, new_capacity: int) -> None:
+        """Enlarge the self-attention caches and ancestry to `new_capacity` positions, in
+        place."""
+        used = self.step
+
+        def grown(old: Tensor) -> Tensor:
+            shape = (*old.shape[:2], new_capacity, *old.shape[3:])  # (b, h, cap, g, d)
+            new = old.new_empty(shape)
+            new[:, :, :used] = old[:, :, :used]
+            return new
+
+        self.self_k = [grown(k) for k in self.self_k]
+        self.self_v = [grown(v) for v in self.self_v]
+        ancestry = self.ancestry.new_zeros(*self.ancestry.shape[:2], new_capacity)  # (b, g, cap)
+        ancestry[:, :, :used] = self.ancestry[:, :, :used]
+        self.ancestry = ancestry
+
+    def reorder(self, new_order: Tensor) -> GroupedCache:
+        """A state whose row j is row new_order[j] of this one (beam reordering, B -> B*beam
+        expansion with `arange(B).repeat_interleave(beam)`, dropping sentences, or any
+        other selection).
+
+        The new layout keeps g rows per group when every block of g new rows comes from
+        one old group: then only the ancestry table is permuted, and K/V are copied only
+        for groups that move (shrinking, permuting sentences). Expanding g = 1 rows into
+        blocks of k copies of one row makes groups of k. Anything else falls back to one
+        row per group, each row's own history gathered. Deciding costs one host sync. This
+        state is consumed: the returned one may share its buffers, so any later use of
+        this one raises RuntimeError.
+        """
+        self.check_live()
+        self.consumed = True
+        g, groups, used = self.group_size, self.ancestry.size(0), self.step
+        group_of = torch.div(new_order, g, rounding_mode="floor")  # (n',) old group
+        new_g = _group_size(group_of, g, self.rows, new_order.numel(), groups)
+        src = group_of.view(-1, new_g)[:, 0]  # (groups',) old group of each new group
+        same_groups = src.numel() == groups and bool(torch.equal(src, torch.arange(
+            groups, device=src.device)))
+        if same_groups:
+            cross_k, cross_v = self.cross_k, self.cross_v
+            padding_mask, cross_mask = self.padding_mask, self.cross_mask
+        else:
+            cross_k = [k.index_select(0, src) for k in self.cross_k]
+            cross_v = [v.index_select(0, src) for v in self.cross_v]
+            padding_mask = self.padding_mask.index_select(0, src)
+            cross_mask = (None if self.cross_mask is None
+                          else self.cross_mask.index_select(0, src))
+        cap = self.capacity
+        if new_g == g:  # slots stay in their group: permute the ancestry, move whole groups
+            ancestry = self.ancestry.view(-1, cap).index_select(0, new_order)
+            ancestry = ancestry.view(-1, g, cap)  # (groups', g, capacity)
+            self_k, self_v = self.self_k, self.self_v
+            if not same_groups:  # copy the groups that stay
+                self_k = [_take_groups(c, src, used) for c in self_k]
+                self_v = [_take_groups(c, src, used) for c in self_v]
+        else:  # new layout: every row's own history gathered into its own slot
+            self_k, self_v = _empty_caches(self.self_k, self.self_v, src.numel(), cap, new_g)
+            if used:
+                slot_of = self.ancestry.view(-1, cap)[:, :used].index_select(0, new_order)
+                for old, new in zip(self.self_k + self.self_v, self_k + self_v, strict=True):
+                    _gather_history(old, new, group_of, slot_of, new_g)
+            ancestry = torch.arange(new_g, device=new_order.device)  # (g',)
+            ancestry = ancestry.view(1, new_g, 1).expand(src.numel(), new_g, cap).clone()
+        attention = (None if self.attention is None
+                     else self.attention.index_select(0, new_order))
+        return GroupedCache(cross_k=cross_k, cross_v=cross_v, padding_mask=padding_mask,
+                            cross_mask=cross_mask, self_k=self_k, self_v=self_v,
+                            ancestry=ancestry, limit=self.limit, group_size=new_g, step=used,
+                            attention_layer=self.attention_layer, attention=attention)
 
 
-def slot_mask(state: DecoderState, position: int) -> Tensor | None:
+class _GroupedLayer:
+    """Layer `index`'s view of a GroupedCache at one position (a `LayerCache`): writes go
+    to each row's own slot, the history is every slot of the group up to this position,
+    and the slot mask keeps each row to its own ancestors."""
+
+    def __init__(self, cache: GroupedCache, index: int, position: int, mask: Tensor | None,
+                 live: Tensor | None) -> None:
+        self.rows, self.live = cache.rows, live
+        self._k, self._v = cache.self_k[index], cache.self_v[index]
+        self._cross = cache.cross_k[index], cache.cross_v[index], cache.cross_mask
+        self._position, self._mask = position, mask
+
+    def write(self, k: Tensor, v: Tensor) -> None:
+        groups, heads, _, g, _ = self._k.shape
+        # (groups, heads, g, d): slot s of group b is row b * g + s
+        self._k[:, :, self._position] = k.view(groups, g, heads, -1).transpose(1, 2)
+        self._v[:, :, self._position] = v.view(groups, g, heads, -1).transpose(1, 2)
+
+    def history(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        end = self._position + 1
+        keys = self._k[:, :, :end].flatten(2, 3)  # (groups, heads, (t+1)*g, d_k)
+        values = self._v[:, :, :end].flatten(2, 3)  # (groups, heads, (t+1)*g, d_v)
+        return keys, values, self._mask
+
+    def encoder(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        return self._cross
+
+
+def slot_mask(state: GroupedCache, position: int) -> Tensor | None:
     """Record that each row's key at `position` goes to its own slot, and return the mask
     (groups, 1, g, (position+1) * g), True where a slot holds the row's own ancestor, that
     keeps each row to its own history; None when g == 1 (one slot: nothing to mask)."""
@@ -96,103 +232,6 @@ def slot_mask(state: DecoderState, position: int) -> Tensor | None:
     ancestry = state.ancestry[:, :, : position + 1]  # (groups, g, t+1)
     mask = ancestry.unsqueeze(-1) == slots  # (groups, g, t+1, g)
     return mask.flatten(2).unsqueeze(1)  # (groups, 1, g, (t+1)*g)
-
-
-def reserve_cache(state: DecoderState, positions: int) -> None:
-    """Make room in `state` for `positions` target tokens in all (the caller caps it by
-    the model's positions), so a search that knows its length limit grows the caches once,
-    before the first step, instead of copying them at every doubling. Untouched capacity
-    costs address space only."""
-    check_live(state)
-    if positions > state.capacity:
-        grow_cache(state, positions)
-
-
-def release_cache(state: DecoderState) -> None:
-    """End incremental decoding on `state`: it is consumed (a later step raises) and its
-    caches are dropped, so their memory is free for the next batch's."""
-    check_live(state)
-    state.consumed = True
-    state.self_k, state.self_v = [], []
-
-
-def check_live(state: DecoderState) -> None:
-    """Refuse a state whose buffers were handed to a newer one by reorder_cache."""
-    if state.consumed:
-        raise RuntimeError("this DecoderState was consumed by reorder_cache; "
-                           "use the state it returned")
-
-
-def grow_cache(state: DecoderState, new_capacity: int) -> None:
-    """Enlarge the self-attention caches and ancestry of `state` to `new_capacity`
-    positions, in place."""
-    used = state.step
-
-    def grown(old: Tensor) -> Tensor:
-        shape = (*old.shape[:2], new_capacity, *old.shape[3:])  # (b, h, cap, g, d)
-        new = old.new_empty(shape)
-        new[:, :, :used] = old[:, :, :used]
-        return new
-
-    state.self_k = [grown(k) for k in state.self_k]
-    state.self_v = [grown(v) for v in state.self_v]
-    ancestry = state.ancestry.new_zeros(*state.ancestry.shape[:2], new_capacity)  # (b, g, cap)
-    ancestry[:, :, :used] = state.ancestry[:, :, :used]
-    state.ancestry = ancestry
-
-
-def reorder_cache(state: DecoderState, new_order: Tensor) -> DecoderState:
-    """A state whose row j is row new_order[j] of `state` (beam reordering, B -> B*beam
-    expansion with `arange(B).repeat_interleave(beam)`, dropping sentences, or any other
-    selection).
-
-    The new layout keeps g rows per group when every block of g new rows comes from one
-    old group: then only the ancestry table is permuted, and K/V are copied only for
-    groups that move (shrinking, permuting sentences). Expanding g = 1 rows into blocks of
-    k copies of one row makes groups of k. Anything else falls back to one row per group,
-    each row's own history gathered. Deciding costs one host sync. `state` is consumed:
-    the returned state may share its buffers, so any later use of `state` raises
-    RuntimeError.
-    """
-    check_live(state)
-    state.consumed = True
-    g, groups, used = state.group_size, state.ancestry.size(0), state.step
-    group_of = torch.div(new_order, g, rounding_mode="floor")  # (n',) old group
-    new_g = _group_size(group_of, g, state.rows, new_order.numel(), groups)
-    src = group_of.view(-1, new_g)[:, 0]  # (groups',) old group of each new group
-    same_groups = src.numel() == groups and bool(torch.equal(src, torch.arange(
-        groups, device=src.device)))
-    if same_groups:
-        cross_k, cross_v = state.cross_k, state.cross_v
-        padding_mask, cross_mask = state.padding_mask, state.cross_mask
-    else:
-        cross_k = [k.index_select(0, src) for k in state.cross_k]
-        cross_v = [v.index_select(0, src) for v in state.cross_v]
-        padding_mask = state.padding_mask.index_select(0, src)
-        cross_mask = (None if state.cross_mask is None
-                      else state.cross_mask.index_select(0, src))
-    cap = state.capacity
-    if new_g == g:  # slots stay in their group: permute the ancestry, move whole groups
-        ancestry = state.ancestry.view(-1, cap).index_select(0, new_order)
-        ancestry = ancestry.view(-1, g, cap)  # (groups', g, capacity)
-        self_k, self_v = state.self_k, state.self_v
-        if not same_groups:  # copy the groups that stay
-            self_k = [_take_groups(c, src, used) for c in self_k]
-            self_v = [_take_groups(c, src, used) for c in self_v]
-    else:  # new layout: every row's own history gathered into its own slot
-        self_k, self_v = _empty_caches(state.self_k, state.self_v, src.numel(), cap, new_g)
-        if used:
-            slot_of = state.ancestry.view(-1, cap)[:, :used].index_select(0, new_order)
-            for old, new in zip(state.self_k + state.self_v, self_k + self_v, strict=True):
-                _gather_history(old, new, group_of, slot_of, new_g)
-        ancestry = torch.arange(new_g, device=new_order.device)  # (g',)
-        ancestry = ancestry.view(1, new_g, 1).expand(src.numel(), new_g, cap).clone()
-    attention = (None if state.attention is None
-                 else state.attention.index_select(0, new_order))
-    return DecoderState(cross_k=cross_k, cross_v=cross_v, padding_mask=padding_mask,
-                        cross_mask=cross_mask, self_k=self_k, self_v=self_v,
-                        ancestry=ancestry, group_size=new_g, step=used,
-                        attention_layer=state.attention_layer, attention=attention)
 
 
 def _empty_caches(like_k: list[Tensor], like_v: list[Tensor], groups: int, cap: int, g: int

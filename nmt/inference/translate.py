@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from nmt.checkpoint import load_model
-from nmt.config import DECODE_PRECISIONS, DecodeConfig
+from nmt.config import DecodeConfig, RuntimeConfig
 from nmt.data.batching import batch_by_tokens
 from nmt.data.vocab import Vocab
 from nmt.device import resolve_device
@@ -42,8 +42,7 @@ from nmt.inference.search import (
 from nmt.precision import resolve_precision
 from nmt.special_ids import EOS_ID, PAD_ID
 
-ERROR_MODES = ("replace", "strict")
-_D = DecodeConfig()
+_R = RuntimeConfig()
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
            "int8": torch.float32}
 # (1-based line number, source ids as translated, best hypothesis) -> anything
@@ -95,16 +94,15 @@ class Translator:
                            for m, p in zip(self.models, projections, strict=True)]
 
     @classmethod
-    def load(cls, paths: Sequence[Path], cfg: DecodeConfig, device: str = _D.device,
-             precision: str = _D.precision, max_src_len: int | None = None,
-             seed: int = _D.seed, weights: str = _D.weights) -> Translator:
+    def load(cls, paths: Sequence[Path], cfg: DecodeConfig, device: str = _R.device,
+             precision: str = _R.precision, max_src_len: int | None = None,
+             seed: int = _R.seed, weights: str = _R.weights) -> Translator:
         """Load checkpoints safely (weights_only); an ensemble must share one vocabulary.
-        `weights`: auto (a checkpoint's EMA weights where it has them), raw or ema."""
+        `weights`: auto (a checkpoint's EMA weights where it has them), raw or ema (the
+        choices and defaults: nmt.config.RuntimeConfig, which checks them)."""
         if not paths:
             raise UsageError("no model given; pass -m MODEL (repeat it for an ensemble)")
-        if precision not in DECODE_PRECISIONS:
-            raise UsageError(f"unknown precision {precision!r}; choose one of: "
-                             f"{', '.join(DECODE_PRECISIONS)}")
+        RuntimeConfig(device=device, precision=precision, weights=weights, seed=seed)
         dev = resolve_device(device)
         if dev.type == "cpu":
             keep_freed_memory()  # per-step activations reuse pages instead of re-faulting
@@ -192,7 +190,7 @@ def sanitize(text: str) -> str:
 
 def translate_stream(source: BinaryIO, sink: BinaryIO, translator: Translator, *,
                      buffer_size: int | None = None, interactive: bool = False,
-                     errors: str = _D.errors, source_name: str = "<stdin>",
+                     errors: str = _R.errors, source_name: str = "<stdin>",
                      warn: Callable[[str], None] = lambda _msg: None,
                      observe: Observer | None = None) -> TranslateStats:
     """Translate every line of `source` into `sink`, one output line (or nbest lines) per
@@ -201,8 +199,7 @@ def translate_stream(source: BinaryIO, sink: BinaryIO, translator: Translator, *
     `observe`, when given, is called for each translated (non-empty) line with its 1-based
     number, the source ids as translated (after truncation) and the best hypothesis, before
     that buffer's output is written (`--attention` draws its maps from it)."""
-    if errors not in ERROR_MODES:
-        raise UsageError(f"unknown --errors {errors!r}; choose one of: {', '.join(ERROR_MODES)}")
+    RuntimeConfig(errors=errors)  # a known mode, or UsageError
     size = 1 if interactive else (buffer_size or translator.cfg.buffer_size)
     stats = TranslateStats()
     start = time.perf_counter()

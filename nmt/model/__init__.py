@@ -3,6 +3,7 @@ encoder, decoder, shared output projection), `layers` (encoder/decoder layers, f
 `attention` (multi-head attention over fused SDPA) and `dropout`.
 
 Imports torch, nmt.config and nmt.errors only (tests/test_dependencies.py): no files, no
-CLI, no search. Incremental decoding reaches the layers through their `step` methods and one
-cache interface owned by nmt/inference.
+CLI, no search. Incremental decoding reaches the layers through their `step` methods, which
+see the key/value caches (nmt/inference) through one interface, `incremental.LayerCache`:
+project -> write -> attend.
 """

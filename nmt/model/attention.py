@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nmt.model.dropout import dropout
+from nmt.model.incremental import LayerCache
 
 
 def xavier_chunks_(linear: nn.Linear, sizes: list[int], gain: float = 1.0) -> None:
@@ -93,41 +94,40 @@ class SelfAttention(nn.Module):
         context = attend(q, k, v, attn_mask, is_causal, drop)  # (batch, heads, len, d_v)
         return self.merge(context)
 
-    def step(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, position: int,
-             slot_mask: Tensor | None, live: Tensor | None = None) -> Tensor:
-        """One incremental decoder step: `x` (n, 1, d_model) is the newest position of
-        n = groups * g rows, row r being slot r % g of group r // g (a sentence's beam).
+    def step(self, x: Tensor, cache: LayerCache) -> Tensor:
+        """One incremental decoder step: project this position, write its key/value to the
+        cache, attend over the history the cache hands back.
 
-        `cache_k` (groups, heads, capacity, g, d_k) and `cache_v` (groups, heads, capacity,
-        g, d_v) are the decoder state's buffers: this step's key/value are written at
-        `position`, slot = row, in place (no concatenation, no per-step reorder). A row's
-        earlier positions may live in another slot of its group (beam reordering only
-        updates the ancestry), so each query attends over all g slots of positions
-        0..position and `slot_mask` (groups, 1, g, (position+1) * g), True where the slot
-        holds the row's own ancestor, keeps exactly its own history; None when g == 1.
-
-        With `live` (m,) row indices, `x` (m, 1, d_model) holds only those rows: the
-        projections run on m rows, the other rows get zero query/key/value at `position`
-        (their attention output is discarded), so finished sentences can stay in the
-        caches without costing projections. Returns (m or n, 1, d_model).
+        `x` (m, 1, d_model) holds the newest position of the `cache.live` rows (all n rows
+        when live is None); rows left out get zero query/key/value and their output is
+        dropped, so finished sentences can stay in the cache without costing projections.
+        The n rows are folded as the cache's entries (see nmt/model/incremental.py).
+        Returns (m, 1, d_model).
         """
-        groups, _, _, g, _ = cache_k.shape
-        n = groups * g
-        qkv = self.qkv(x)  # (m, 1, 3 sizes)
-        if live is not None:  # rows not in `live` get zeros
-            qkv = qkv.new_zeros(n, *qkv.shape[1:]).index_copy_(0, live, qkv)  # (n, 1, ...)
+        n = cache.rows
+        qkv = all_rows(self.qkv(x), cache)  # (n, 1, 3 sizes)
         q, k, v = qkv.split(self.sizes, dim=-1)  # each (n, 1, heads*d)
-        # (groups, heads, g, d): slot s of group b is row b * g + s
-        cache_k[:, :, position] = k.reshape(groups, g, self.heads, self.d_k).transpose(1, 2)
-        cache_v[:, :, position] = v.reshape(groups, g, self.heads, self.d_v).transpose(1, 2)
-        keys = cache_k[:, :, : position + 1].flatten(2, 3)  # (groups, heads, (t+1)*g, d_k)
-        values = cache_v[:, :, : position + 1].flatten(2, 3)  # (groups, heads, (t+1)*g, d_v)
-        q = q.reshape(groups, g, self.heads, self.d_k).transpose(1, 2)  # (groups, heads, g, d_k)
-        context = attend_one(q, keys, values, slot_mask)  # (groups, heads, g, d_v)
+        cache.write(k.view(n, self.heads, self.d_k), v.view(n, self.heads, self.d_v))
+        keys, values, mask = cache.history()  # (entries, heads, length, d), mask
+        entries = keys.size(0)
+        q = q.view(entries, n // entries, self.heads, self.d_k)  # (entries, g, heads, d_k)
+        context = attend_one(q.transpose(1, 2), keys, values, mask)  # (entries, heads, g, d_v)
         context = context.transpose(1, 2).reshape(n, 1, -1)  # (n, 1, heads*d_v)
-        if live is not None:
-            context = context.index_select(0, live)  # (m, 1, heads*d_v)
-        return self.out(context)  # (m or n, 1, d_model)
+        return self.out(live_rows(context, cache))  # (m, 1, d_model)
+
+
+def all_rows(x: Tensor, cache: LayerCache) -> Tensor:
+    """`x` (m, ...) of the cache's live rows, as (n, ...) with zeros for the others."""
+    if cache.live is None:
+        return x
+    return x.new_zeros(cache.rows, *x.shape[1:]).index_copy_(0, cache.live, x)  # (n, ...)
+
+
+def live_rows(x: Tensor | None, cache: LayerCache) -> Tensor | None:
+    """The live rows (m, ...) of `x` (n, ...); `x` itself when all rows are live."""
+    if x is None or cache.live is None:
+        return x
+    return x.index_select(0, cache.live)  # (m, ...)
 
 
 @functools.lru_cache(maxsize=16)
@@ -256,35 +256,27 @@ class CrossAttention(nn.Module):
         context = context.transpose(1, 2).reshape(batch, length, -1)  # (batch, tgt, heads*d_v)
         return self.out(context), weights
 
-    def step(self, x: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
-             need_weights: bool = False, live: Tensor | None = None, rows: int = 0
+    def step(self, x: Tensor, cache: LayerCache, need_weights: bool = False
              ) -> tuple[Tensor, Tensor | None]:
-        """Incremental decoding: `x` (n, 1, d_model) holds n = groups * g rows, g rows per
-        sentence, against per-SENTENCE encoder K (groups, heads, src_len, d_k) and V
-        (groups, heads, src_len, d_v); `attn_mask` None or (groups, 1, 1, src_len).
-
-        The g queries of a sentence share one matmul against its K/V (beam-fold less
-        memory traffic than per-row copies). With `live` (m,) row indices out of `rows` = n,
-        `x` holds only those m rows (the others attend with a zero query and their output
-        is dropped; see SelfAttention.step). Returns (output (m or n, 1, d_model), weights
-        (m or n, heads, src_len) when `need_weights`, else None).
+        """Incremental decoding: `x` (m, 1, d_model) holds the `cache.live` rows (all n when
+        live is None) against the encoder K/V the cache holds, one entry per group of
+        rows (a sentence's beam), so a sentence's g queries share one matmul against its
+        K/V. Rows left out attend with a zero query and their output is dropped. Returns
+        (output (m, 1, d_model), weights (m, heads, src_len) when `need_weights`, else
+        None).
         """
-        groups = k.size(0)
-        q = self.q(x)  # (m, 1, heads*d_k)
-        if live is not None:  # rows not in `live` get a zero query
-            q = q.new_zeros(rows, *q.shape[1:]).index_copy_(0, live, q)  # (n, 1, heads*d_k)
-        n = q.size(0)
-        g = n // groups
-        q = q.view(groups, g, self.heads, self.d_k).transpose(1, 2)  # (b, heads, g, d_k)
+        n = cache.rows
+        k, v, attn_mask = cache.encoder()  # (entries, heads, src_len, d), mask
+        entries = k.size(0)
+        q = all_rows(self.q(x), cache)  # (n, 1, heads*d_k)
+        q = q.view(entries, n // entries, self.heads, self.d_k).transpose(1, 2)
+        # q: (entries, heads, g, d_k)
         weights = None
         if need_weights:
-            probs = attention_weights(q, k, attn_mask, v.dtype)  # (b, heads, g, src_len)
-            context = probs @ v  # (b, heads, g, d_v)
+            probs = attention_weights(q, k, attn_mask, v.dtype)  # (entries, heads, g, S)
+            context = probs @ v  # (entries, heads, g, d_v)
             weights = probs.transpose(1, 2).reshape(n, self.heads, -1)  # (n, heads, S)
         else:
-            context = attend_one(q, k, v, attn_mask)  # (b, heads, g, d_v)
+            context = attend_one(q, k, v, attn_mask)  # (entries, heads, g, d_v)
         context = context.transpose(1, 2).reshape(n, 1, -1)  # (n, 1, heads*d_v)
-        if live is not None:
-            context = context.index_select(0, live)  # (m, 1, heads*d_v)
-            weights = None if weights is None else weights.index_select(0, live)  # (m, h, S)
-        return self.out(context), weights
+        return self.out(live_rows(context, cache)), live_rows(weights, cache)

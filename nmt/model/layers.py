@@ -18,6 +18,7 @@ from nmt.config import ModelConfig
 from nmt.errors import UsageError
 from nmt.model.attention import CrossAttention, SelfAttention, xavier_chunks_
 from nmt.model.dropout import dropout
+from nmt.model.incremental import LayerCache
 
 
 def sinusoids(length: int, d_model: int) -> Tensor:
@@ -153,28 +154,17 @@ class DecoderLayer(nn.Module):
         x = self.res_cross.after(x, cross)
         return self.res_ffn.after(x, self.ffn(self.res_ffn.before(x)))
 
-    def step(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, position: int,
-             slot_mask: Tensor | None, cross_k: Tensor, cross_v: Tensor,
-             cross_mask: Tensor | None, need_weights: bool = False,
-             live: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """One incremental step on `x` (n, 1, d_model) at `position`, n = groups * g rows
-        (g rows per sentence); this step's self-attention key/value are written into the
-        grouped caches (groups, heads, capacity, g, d) and `slot_mask` picks each row's own
-        history (see SelfAttention.step); cross_k/cross_v are per sentence (groups, ...).
-        With `live` (m,) row indices, `x` (m, 1, d_model) holds only those rows and every
-        projection and the feed-forward net run on m rows (finished sentences kept in the
-        caches cost no matmuls but the attention's).
-
-        Returns (output (m or n, 1, d_model), cross-attention weights (m or n, heads,
-        src_len) or None).
+    def step(self, x: Tensor, cache: LayerCache, need_weights: bool = False
+             ) -> tuple[Tensor, Tensor | None]:
+        """One incremental step on `x` (m, 1, d_model), the newest position of the
+        `cache.live` rows (all rows when None): self-attention writes to and reads from
+        `cache`, encoder-decoder attention reads the encoder K/V it holds (see
+        nmt/model/incremental.py). Every projection and the feed-forward net run on the m
+        rows fed. Returns (output (m, 1, d_model), cross-attention weights (m, heads,
+        src_len) when `need_weights`, else None).
         """
-        attn = self.self_attn.step(self.res_self.before(x), cache_k, cache_v, position,
-                                   slot_mask, live)
-        x = self.res_self.after(x, attn)
-        rows = cache_k.size(0) * cache_k.size(3)  # n = groups * g
-        cross, weights = self.cross_attn.step(self.res_cross.before(x), cross_k, cross_v,
-                                              cross_mask, need_weights=need_weights,
-                                              live=live, rows=rows)
+        x = self.res_self.after(x, self.self_attn.step(self.res_self.before(x), cache))
+        cross, weights = self.cross_attn.step(self.res_cross.before(x), cache, need_weights)
         x = self.res_cross.after(x, cross)
         x = self.res_ffn.after(x, self.ffn(self.res_ffn.before(x)))
         return x, weights
