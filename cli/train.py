@@ -5,12 +5,21 @@ Multi-node: run on every node
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500
              --rdzv_id RUN -m cli.main train DATA -o RUN ...
 or `nmt train ... --gpus 8 --nnodes 2 --rdzv-endpoint HOST:29500` on each node.
+
+The model and training settings are not spelled out here: each documented field of
+`ModelConfig` (those in SETTABLE_MODEL_FIELDS) and `TrainConfig` becomes an option, named,
+explained and shown with its default from the field itself (see `config_options`), so a new
+field is a new flag with no edit here. The options below are the ones that are no field.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import typing
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -20,33 +29,72 @@ from nmt.config import (
     DEFAULT_ARCH,
     DEVICES,
     MODEL_PRESETS,
-    PRECISIONS,
     SETTABLE_MODEL_FIELDS,
-    DecodeConfig,
     ModelConfig,
     TrainConfig,
 )
 from nmt.errors import UsageError
 from nmt.train.settings import resolve
 
-_T = TrainConfig()
-_M = ModelConfig()
+
+def config_options(cls: type, names: Iterable[str] | None = None,
+                   shown: Callable[[dataclasses.Field[Any]], str] = lambda f: str(f.default),
+                   ) -> list[inspect.Parameter]:
+    """One Typer option per field of dataclass `cls` (only `names`, if given), in field
+    order, as keyword parameters for a command's signature. From the field's metadata:
+    `help`; `flag` (else `--field-name`, or `--field-name/--no-field-name` for a bool);
+    `shown_default` (else `shown(field)`, the field's default). The default is None,
+    meaning "not given", so a recipe or the config's default can fill it in (see
+    nmt.train.settings.resolve); the type is the field's, without None (`int | None` ->
+    int) and with a Literal of strings as str."""
+    hints = typing.get_type_hints(cls)
+    wanted = None if names is None else set(names)
+    params = []
+    for field in dataclasses.fields(cls):
+        if wanted is not None and field.name not in wanted:
+            continue
+        meta, hint = field.metadata, hints[field.name]
+        dashed = field.name.replace("_", "-")
+        flag = meta.get("flag") or (f"--{dashed}/--no-{dashed}" if hint is bool else f"--{dashed}")
+        option = typer.Option(None, flag, help=meta.get("help"),
+                              show_default=meta.get("shown_default") or shown(field))
+        params.append(inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY,
+                                        default=option, annotation=_plain_type(hint)))
+    return params
 
 
-def _preset_help(name: str) -> str:
-    """'from --arch: tiny 2, small 3, base 6, big 6' for a ModelConfig field."""
-    values = ", ".join(
-        f"{arch} {MODEL_PRESETS[arch].get(name, getattr(_M, name))}" for arch in MODEL_PRESETS
-    )
+def _plain_type(hint: Any) -> Any:
+    """The type Typer parses an option as: `int | None` -> int, `Literal["a", "b"]` -> str."""
+    origin = typing.get_origin(hint)
+    if origin is None:
+        return hint
+    args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+    return type(args[0]) if origin is typing.Literal else args[0]
+
+
+def _preset_help(field: dataclasses.Field[Any]) -> str:
+    """'from --arch (tiny 2, small 3, base 6, big 6)': a model field's default is its arch's."""
+    values = ", ".join(f"{arch} {preset.get(field.name, field.default)}"
+                       for arch, preset in MODEL_PRESETS.items())
     return f"from --arch ({values})"
 
 
-def _model_opt(name: str, help_text: str, flag: str | None = None) -> typer.models.OptionInfo:
-    return typer.Option(
-        None, flag or f"--{name.replace('_', '-')}", help=help_text, show_default=_preset_help(name)
-    )
+def _with_config_options(func: Callable[..., None]) -> Callable[..., None]:
+    """Give `func` (whose `**settings` takes them) the config options after its `arch`
+    option: Typer builds a command's options from `inspect.signature`, which reads
+    `__signature__`."""
+    own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+           for p in inspect.signature(func, eval_str=True).parameters.values()
+           if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    at = [p.name for p in own].index("arch") + 1
+    settings = [*config_options(ModelConfig, SETTABLE_MODEL_FIELDS, _preset_help),
+                *config_options(TrainConfig)]
+    signature = inspect.Signature([*own[:at], *settings, *own[at:]])
+    func.__signature__ = signature  # type: ignore[attr-defined]
+    return func
 
 
+@_with_config_options
 def command(
     data: Path = typer.Argument(..., help="DATA directory prepared by `nmt prep` + `nmt bpe`."),
     output: Path = typer.Option(
@@ -63,178 +111,7 @@ def command(
         show_default=f"the recipe's, else {DEFAULT_ARCH}",
         help=f"Model preset: {', '.join(MODEL_PRESETS)}.",
     ),
-    # --- model knobs (None: the preset's value) ---
-    encoder_layers: int = _model_opt("encoder_layers", "Encoder layers N."),
-    decoder_layers: int = _model_opt("decoder_layers", "Decoder layers N."),
-    d_model: int = _model_opt("d_model", "Model width d_model."),
-    d_ff: int = _model_opt("d_ff", "Feed-forward inner size d_ff."),
-    heads: int = _model_opt("heads", "Attention heads h."),
-    d_k: int = _model_opt("d_k", "Per-head query/key size (None: d_model / h)."),
-    d_v: int = _model_opt("d_v", "Per-head value size (None: d_model / h)."),
-    dropout: float = _model_opt("dropout", "Residual + embedding dropout P_drop."),
-    attention_dropout: float = _model_opt("attention_dropout", "Dropout on attention weights."),
-    activation_dropout: float = _model_opt("activation_dropout", "Dropout after the FFN ReLU."),
-    learned_positions: bool = typer.Option(
-        None,
-        "--learned-positions/--sinusoidal-positions",
-        show_default="sinusoidal",
-        help="Learned positional embeddings instead of sinusoids (Table 3 row E).",
-    ),
-    max_positions: int = _model_opt("max_positions", "Longest sequence the model accepts."),
-    pre_norm: bool = typer.Option(
-        None,
-        "--pre-norm/--post-norm",
-        show_default="post-norm",
-        help="LayerNorm before each sub-layer instead of after.",
-    ),
-    # --- optimisation ---
-    seed: int = typer.Option(None, "--seed", show_default=str(_T.seed), help="Random seed."),
-    lr_schedule: str = typer.Option(
-        None,
-        "--lr-schedule",
-        show_default=_T.lr_schedule,
-        help="Learning-rate schedule; inverse_sqrt: the paper's warm-up then 1/sqrt(step).",
-    ),
-    lr_scale: float = typer.Option(
-        None,
-        "--lr-scale",
-        show_default=str(_T.lr_scale),
-        help="Multiplies d_model^-0.5 * min(step^-0.5, step * warmup^-1.5).",
-    ),
-    warmup: int = typer.Option(
-        None, "--warmup", show_default=str(_T.warmup), help="Warm-up updates of the schedule."
-    ),
-    adam_beta1: float = typer.Option(None, "--adam-beta1", show_default=str(_T.adam_beta1)),
-    adam_beta2: float = typer.Option(None, "--adam-beta2", show_default=str(_T.adam_beta2)),
-    adam_eps: float = typer.Option(None, "--adam-eps", show_default=str(_T.adam_eps)),
-    weight_decay: float = typer.Option(None, "--weight-decay", show_default=str(_T.weight_decay)),
-    clip_norm: float = typer.Option(
-        None,
-        "--clip-norm",
-        show_default=str(_T.clip_norm),
-        help="Clip the gradient norm; 0 = no clipping.",
-    ),
-    label_smoothing: float = typer.Option(
-        None, "--label-smoothing", show_default=str(_T.label_smoothing), help="epsilon_ls."
-    ),
-    # --- batching ---
-    max_tokens: int = typer.Option(
-        None,
-        "--max-tokens",
-        show_default=str(_T.max_tokens),
-        help="Tokens (padding included) per process per micro-batch.",
-    ),
-    update_freq: int = typer.Option(
-        None,
-        "--update-freq",
-        show_default=str(_T.update_freq),
-        help="Micro-batches accumulated per update.",
-    ),
-    batch_tokens: int = typer.Option(
-        None,
-        "--batch-tokens",
-        show_default="off",
-        help="Tokens per update (paper: 25000); derives "
-        "update-freq = ceil(B / (processes x max-tokens)).",
-    ),
-    max_len: int = typer.Option(
-        None,
-        "--max-len",
-        show_default=str(_T.max_len),
-        help="Skip training pairs with a side longer than this (tokens incl. EOS).",
-    ),
-    precision: str = typer.Option(
-        None,
-        "--precision",
-        show_default=str(_T.precision),
-        help=f"One of {', '.join(PRECISIONS)} (autocast; fp16 uses dynamic loss scaling).",
-    ),
-    # --- length of training (totals) ---
-    max_updates: int = typer.Option(
-        None,
-        "--max-updates",
-        show_default=str(_T.max_updates),
-        help="Total updates (a resumed run stops at the same place).",
-    ),
-    max_epochs: int = typer.Option(
-        None, "--max-epochs", show_default=str(_T.max_epochs), help="Total epochs; 0 = no limit."
-    ),
-    max_minutes: float = typer.Option(
-        None,
-        "--max-minutes",
-        show_default=str(_T.max_minutes),
-        help="Total training minutes; 0 = no limit.",
-    ),
-    # --- checkpoints, validation, logging ---
-    save_interval_minutes: float = typer.Option(
-        None,
-        "--save-interval-minutes",
-        show_default=str(_T.save_interval_minutes),
-        help="Save every this many minutes (paper: 10); 0 = off.",
-    ),
-    save_interval_updates: int = typer.Option(
-        None,
-        "--save-interval-updates",
-        show_default=str(_T.save_interval_updates),
-        help="Also save every this many updates; 0 = off.",
-    ),
-    keep_last: int = typer.Option(
-        None,
-        "--keep-last",
-        show_default=str(_T.keep_last),
-        help="Numbered checkpoints kept (paper averages 5 / 20).",
-    ),
-    valid_interval: int = typer.Option(
-        None,
-        "--valid-interval",
-        show_default=str(_T.valid_interval),
-        help="Validate every this many updates.",
-    ),
-    valid_bleu: bool = typer.Option(
-        None,
-        "--valid-bleu/--no-valid-bleu",
-        show_default=str(_T.valid_bleu),
-        help="Also decode the valid split: sacreBLEU and chrF.",
-    ),
-    valid_beam: int = typer.Option(
-        None,
-        "--valid-beam",
-        show_default=f"translate's beam ({DecodeConfig().beam})",
-        help="Beam for --valid-bleu decoding; 1 = greedy (faster).",
-    ),
-    best_metric: str = typer.Option(
-        None,
-        "--best-metric",
-        show_default=str(_T.best_metric),
-        help="loss | bleu | chrf: the validation score that picks RUN/checkpoint_best.pt "
-        "(bleu/chrf decode the valid split).",
-    ),
-    patience: int = typer.Option(
-        None,
-        "--patience",
-        show_default=str(_T.patience),
-        help="Stop after this many validations in a row without a better --best-metric; "
-        "0 = never.",
-    ),
-    ema_decay: float = typer.Option(
-        None,
-        "--ema-decay",
-        show_default=str(_T.ema_decay),
-        help="Keep an exponential moving average of the weights (e.g. 0.9999), validated "
-        "and saved beside them; translate/average use it by default. 0 = off.",
-    ),
-    log_interval: int = typer.Option(
-        None,
-        "--log-interval",
-        show_default=str(_T.log_interval),
-        help="Log every this many updates.",
-    ),
-    max_nonfinite_in_a_row: int = typer.Option(
-        None,
-        "--max-nonfinite-in-a-row",
-        show_default=str(_T.max_nonfinite_in_a_row),
-        help="Abort (exit 7) after this many skipped non-finite updates in a row.",
-    ),
+    # (here: every ModelConfig and TrainConfig option, see _with_config_options)
     # --- fine-tuning ---
     init_from: Path = typer.Option(
         None,
@@ -278,9 +155,12 @@ def command(
         show_default="standalone",
         help="HOST:PORT of torchrun's c10d rendezvous.",
     ),
+    **settings: Any,
 ) -> None:
-    """Train a Transformer on DATA/bin; resumes when -o holds checkpoint_last.pt."""
-    flags = dict(locals())  # every option by name, for TrainConfig below
+    """Train a Transformer on DATA/bin; resumes when -o holds checkpoint_last.pt.
+
+    `settings`: the ModelConfig and TrainConfig options by field name, None where not given.
+    """
     with handle_errors("train"):
         import sys
 
@@ -295,8 +175,8 @@ def command(
             raise UsageError("--gpus needs --device cuda or auto; use --nproc for CPU")
         if nnodes > 1 and not rdzv_endpoint:
             raise UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT")
-        model_flags = {k: flags[k] for k in SETTABLE_MODEL_FIELDS}
-        train_flags = {f.name: flags[f.name] for f in dataclasses.fields(TrainConfig)}
+        model_flags = {k: v for k, v in settings.items() if k in SETTABLE_MODEL_FIELDS}
+        train_flags = {k: v for k, v in settings.items() if k not in SETTABLE_MODEL_FIELDS}
         model_cfg, train_cfg, sources = resolve(data, arch, model_flags, train_flags)
         if init_from is not None:  # not config fields, but they change what is trained
             sources["init_from"] = f"{init_from} (flag)"

@@ -26,24 +26,44 @@ LR_SCHEDULES: tuple[str, ...] = ("inverse_sqrt",)  # the paper's (section 5.3)
 DECODE_PRECISIONS: tuple[str, ...] = (*PRECISIONS, "int8")
 
 
+def _setting(default: Any, help_text: str, *, flag: str | None = None,
+             shown_default: str | None = None) -> Any:
+    """A dataclass field that documents itself, for `nmt train`'s options (cli/train.py
+    builds one flag per such field, so names, defaults and help live here only). Metadata,
+    plain strings: `help`; `flag` where the option is not `--field-name` (`--x/--no-x` for
+    a bool); `shown_default` where --help should not show the default value itself."""
+    metadata = {"help": help_text}
+    if flag is not None:
+        metadata["flag"] = flag
+    if shown_default is not None:
+        metadata["shown_default"] = shown_default
+    return dataclasses.field(default=default, metadata=metadata)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Transformer shape and regularisation; every Table 3 knob is a field."""
 
     vocab_size: int = 37000
-    encoder_layers: int = 6
-    decoder_layers: int = 6
-    d_model: int = 512
-    d_ff: int = 2048
-    heads: int = 8
-    d_k: int | None = None  # None: d_model // heads (Table 3 rows A/B vary it)
-    d_v: int | None = None  # None: d_model // heads
-    dropout: float = 0.1  # residual dropout and dropout on embeddings + positions
-    attention_dropout: float = 0.0  # dropout on attention weights (not in the paper)
-    activation_dropout: float = 0.0  # dropout after the FFN ReLU (not in the paper)
-    learned_positions: bool = False  # Table 3 row E
-    max_positions: int = 1024  # longest sequence (tokens incl. EOS) the model accepts
-    pre_norm: bool = False  # False: post-norm LayerNorm(x + Dropout(Sublayer(x))) as published
+    encoder_layers: int = _setting(6, "Encoder layers N.")
+    decoder_layers: int = _setting(6, "Decoder layers N.")
+    d_model: int = _setting(512, "Model width d_model.")
+    d_ff: int = _setting(2048, "Feed-forward inner size d_ff.")
+    heads: int = _setting(8, "Attention heads h.")
+    # Table 3 rows A/B vary d_k and d_v.
+    d_k: int | None = _setting(None, "Per-head query/key size (None: d_model / h).")
+    d_v: int | None = _setting(None, "Per-head value size (None: d_model / h).")
+    dropout: float = _setting(0.1, "Residual + embedding dropout P_drop.")
+    # Not in the paper: dropout on attention weights and after the FFN ReLU.
+    attention_dropout: float = _setting(0.0, "Dropout on attention weights.")
+    activation_dropout: float = _setting(0.0, "Dropout after the FFN ReLU.")
+    learned_positions: bool = _setting(
+        False, "Learned positional embeddings instead of sinusoids (Table 3 row E).",
+        flag="--learned-positions/--sinusoidal-positions", shown_default="sinusoidal")
+    max_positions: int = _setting(1024, "Longest sequence the model accepts.")  # incl. EOS
+    # False: post-norm LayerNorm(x + Dropout(Sublayer(x))) as published.
+    pre_norm: bool = _setting(False, "LayerNorm before each sub-layer instead of after.",
+                              flag="--pre-norm/--post-norm", shown_default="post-norm")
     pad_id: int = 0
 
     @property
@@ -108,41 +128,60 @@ def model_preset(name: str, **overrides: Any) -> ModelConfig:
 class TrainConfig:
     """Optimisation, batching, precision, checkpointing and logging settings."""
 
-    seed: int = 1
-    # Optimiser and schedule (section 5.3): Adam(0.9, 0.98, 1e-9), inverse sqrt with warmup.
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.98
-    adam_eps: float = 1e-9
-    lr_schedule: str = "inverse_sqrt"  # see LR_SCHEDULES
-    lr_scale: float = 1.0  # multiplies d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
-    warmup: int = 4000
-    weight_decay: float = 0.0
-    clip_norm: float = 0.0  # 0: no gradient clipping (the paper uses none)
-    label_smoothing: float = 0.1
+    seed: int = _setting(1, "Random seed.")
+    # Optimiser and schedule (section 5.3): inverse sqrt with warmup, Adam(0.9, 0.98, 1e-9).
+    lr_schedule: str = _setting(  # see LR_SCHEDULES
+        "inverse_sqrt",
+        "Learning-rate schedule; inverse_sqrt: the paper's warm-up then 1/sqrt(step).")
+    lr_scale: float = _setting(
+        1.0, "Multiplies d_model^-0.5 * min(step^-0.5, step * warmup^-1.5).")
+    warmup: int = _setting(4000, "Warm-up updates of the schedule.")
+    adam_beta1: float = _setting(0.9, "Adam's beta1 (decay of the gradient average).")
+    adam_beta2: float = _setting(0.98, "Adam's beta2 (decay of the squared gradient average).")
+    adam_eps: float = _setting(1e-9, "Adam's epsilon.")
+    weight_decay: float = _setting(0.0, "Adam's L2 weight decay (the paper uses none).")
+    clip_norm: float = _setting(0.0, "Clip the gradient norm; 0 = no clipping.")  # paper: 0
+    label_smoothing: float = _setting(0.1, "epsilon_ls.")
     # Batching (section 5.1): ~25000 source + 25000 target tokens per update.
-    max_tokens: int = 4096  # per process per micro-batch, padding included
-    update_freq: int = 1  # micro-batches accumulated per update
-    batch_tokens: int | None = None  # e.g. 25000: derive update_freq from world size
-    max_len: int = 256  # training pairs with a longer side (tokens incl. EOS) are skipped
-    precision: Precision = "auto"  # bf16 where native (Ampere+ GPU, bf16 CPU), fp16 on older
-    # GPUs, else fp32 (see nmt/precision.py)
+    max_tokens: int = _setting(4096, "Tokens (padding included) per process per micro-batch.")
+    update_freq: int = _setting(1, "Micro-batches accumulated per update.")
+    batch_tokens: int | None = _setting(
+        None, "Tokens per update (paper: 25000); derives "
+        "update-freq = ceil(B / (processes x max-tokens)).", shown_default="off")
+    max_len: int = _setting(
+        256, "Skip training pairs with a side longer than this (tokens incl. EOS).")
+    # auto: bf16 where native (Ampere+ GPU, bf16 CPU), fp16 on older GPUs, else fp32 (see
+    # nmt/precision.py).
+    precision: Precision = _setting(
+        "auto", f"One of {', '.join(PRECISIONS)} (autocast; fp16 uses dynamic loss scaling).")
     # Length of training (totals, not increments: a resumed run stops at the same place).
-    max_updates: int = 100_000
-    max_epochs: int = 0  # 0: no limit
-    max_minutes: float = 0.0  # 0: no limit
+    max_updates: int = _setting(
+        100_000, "Total updates (a resumed run stops at the same place).")
+    max_epochs: int = _setting(0, "Total epochs; 0 = no limit.")
+    max_minutes: float = _setting(0.0, "Total training minutes; 0 = no limit.")
     # Checkpoints (section 6: every 10 minutes, average the last 5 / 20).
-    save_interval_minutes: float = 10.0
-    save_interval_updates: int = 0  # 0: only time-based saves
-    keep_last: int = 20
+    save_interval_minutes: float = _setting(
+        10.0, "Save every this many minutes (paper: 10); 0 = off.")
+    save_interval_updates: int = _setting(0, "Also save every this many updates; 0 = off.")
+    keep_last: int = _setting(20, "Numbered checkpoints kept (paper averages 5 / 20).")
     # Validation, the best model and early stopping, weight averaging, logging.
-    valid_interval: int = 1000
-    valid_bleu: bool = False  # also decode the valid split: sacreBLEU and chrF
-    valid_beam: int = 0  # beam for that decoding; 0: translate's (DecodeConfig.beam), 1: greedy
-    best_metric: str = "loss"  # loss | bleu | chrf: decides checkpoint_best.pt
-    patience: int = 0  # stop after this many validations without improvement; 0: never
-    ema_decay: float = 0.0  # exponential moving average of the weights; 0: off
-    log_interval: int = 50
-    max_nonfinite_in_a_row: int = 20  # stop with an error after this many skipped steps
+    valid_interval: int = _setting(1000, "Validate every this many updates.")
+    valid_bleu: bool = _setting(False, "Also decode the valid split: sacreBLEU and chrF.")
+    # 0: translate's beam; the shown default names DecodeConfig.beam (a test keeps it so).
+    valid_beam: int = _setting(0, "Beam for --valid-bleu decoding; 1 = greedy (faster).",
+                               shown_default="translate's beam (4)")
+    best_metric: str = _setting(  # see BEST_METRICS
+        "loss", "loss | bleu | chrf: the validation score that picks RUN/checkpoint_best.pt "
+        "(bleu/chrf decode the valid split).")
+    patience: int = _setting(
+        0, "Stop after this many validations in a row without a better --best-metric; "
+        "0 = never.")
+    ema_decay: float = _setting(
+        0.0, "Keep an exponential moving average of the weights (e.g. 0.9999), validated "
+        "and saved beside them; translate/average use it by default. 0 = off.")
+    log_interval: int = _setting(50, "Log every this many updates.")
+    max_nonfinite_in_a_row: int = _setting(
+        20, "Abort (exit 7) after this many skipped non-finite updates in a row.")
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
