@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers.cli import NMT_CLI, NmtCli
 
 # torch's inductor caches compiled kernels on disk without keying them by
 # ATEN_CPU_CAPABILITY: a kernel compiled in a run capped at AVX2 and loaded by an uncapped
@@ -47,6 +48,14 @@ def multi30k_dir() -> Path:
 def wmt14_dir() -> Path:
     """../shared/data/wmt14: newstest2013/2014 plain text and the 2014 SGML."""
     return shared_data_path("wmt14")
+
+
+@pytest.fixture(scope="session")
+def nmt_cli() -> NmtCli:
+    """The `nmt` CLI, one runner (tests/helpers/cli.py): `nmt_cli.run(*args)` in a subprocess
+    (signals, real pipes, torchrun), `nmt_cli.invoke(*args)` in process through typer's
+    CliRunner (bad flags, usage errors), `nmt_cli.popen(*args)`; keywords env, input, cwd."""
+    return NMT_CLI
 
 
 @contextlib.contextmanager

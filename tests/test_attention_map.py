@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_translate_util import cli_nmt, make_checkpoint, make_vocab
+from helpers.checkpoints import make_checkpoint, make_vocab
+from helpers.cli import NmtCli
 
 from nmt.checkpoint import load_model
 from nmt.config import DecodeConfig
@@ -142,16 +143,16 @@ def png_size(path: Path) -> tuple[int, int]:
 
 
 def test_cli_writes_one_png_per_line_and_same_output(ckpt: Path, test_lines: list[str],
-                                                     tmp_path: Path) -> None:
+                                                     tmp_path: Path, nmt_cli: NmtCli) -> None:
     # lines 2 and 5 are empty, 4 is whitespace only: no PNG for them
     lines = [test_lines[0], "", test_lines[1], "   ", "", test_lines[2]]
     source = tmp_path / "in.en"
     source.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    plain = cli_nmt("translate", "-m", str(ckpt), "-i", str(source), *FAST)
+    plain = nmt_cli.invoke("translate", "-m", str(ckpt), "-i", str(source), *FAST)
     assert plain.returncode == 0, plain.stderr.decode()
     maps = tmp_path / "maps" / "mean"
-    with_maps = cli_nmt("translate", "-m", str(ckpt), "-i", str(source), *FAST,
-                        "--attention", str(maps), "--attention-layer", "0")
+    with_maps = nmt_cli.invoke("translate", "-m", str(ckpt), "-i", str(source), *FAST,
+                               "--attention", str(maps), "--attention-layer", "0")
     assert with_maps.returncode == 0, with_maps.stderr.decode()
     assert with_maps.stdout == plain.stdout
     assert with_maps.stderr == plain.stderr == b""
@@ -160,8 +161,8 @@ def test_cli_writes_one_png_per_line_and_same_output(ckpt: Path, test_lines: lis
     mean_size = png_size(maps / "000001.png")
     per_head = tmp_path / "maps" / "all"
     first = test_lines[0].encode() + b"\n"
-    heads = cli_nmt("translate", "-m", str(ckpt), *FAST, "--attention", str(per_head),
-                    "--attention-heads", "all", input=first)
+    heads = nmt_cli.invoke("translate", "-m", str(ckpt), *FAST, "--attention", str(per_head),
+                           "--attention-heads", "all", input=first)
     assert heads.returncode == 0
     assert heads.stdout == plain.stdout.split(b"\n")[0] + b"\n"
     all_size = png_size(per_head / "000001.png")
@@ -175,18 +176,18 @@ def test_cli_writes_one_png_per_line_and_same_output(ckpt: Path, test_lines: lis
     (("--attention-heads", "max"), b"unknown --attention-heads 'max'"),
 ])
 def test_cli_bad_attention_options_exit_2(ckpt: Path, tmp_path: Path, args: tuple[str, ...],
-                                          message: bytes) -> None:
-    result = cli_nmt("translate", "-m", str(ckpt), *FAST, "--attention",
-                     str(tmp_path / "maps"), *args, input=b"A dog.\n")
+                                          message: bytes, nmt_cli: NmtCli) -> None:
+    result = nmt_cli.invoke("translate", "-m", str(ckpt), *FAST, "--attention",
+                            str(tmp_path / "maps"), *args, input=b"A dog.\n")
     assert result.returncode == 2
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert result.stdout == b""
 
 
-def test_cli_attention_path_is_a_file(ckpt: Path, tmp_path: Path) -> None:
+def test_cli_attention_path_is_a_file(ckpt: Path, tmp_path: Path, nmt_cli: NmtCli) -> None:
     taken = tmp_path / "taken"
     taken.write_text("x")
-    result = cli_nmt("translate", "-m", str(ckpt), *FAST, "--attention", str(taken),
-                     input=b"A dog.\n")
+    result = nmt_cli.invoke("translate", "-m", str(ckpt), *FAST, "--attention", str(taken),
+                            input=b"A dog.\n")
     assert result.returncode == 2 and b"not a directory" in result.stderr

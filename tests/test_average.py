@@ -6,11 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_translate_util import (
-    cli_nmt,
-    make_checkpoint,
-    make_vocab,
-)
+from helpers.checkpoints import make_checkpoint, make_vocab
+from helpers.cli import NmtCli
 
 from nmt.average import average_state_dicts, last_checkpoints
 from nmt.checkpoint import load_checkpoint, save_checkpoint
@@ -70,7 +67,7 @@ def test_last_n_uses_stored_step_not_file_name(spm: Path, tmp_path: Path) -> Non
         last_checkpoints(run, 4)
 
 
-def test_cli_average_loads_in_translate(spm: Path, tmp_path: Path) -> None:
+def test_cli_average_loads_in_translate(spm: Path, tmp_path: Path, nmt_cli: NmtCli) -> None:
     run = tmp_path / "run"
     run.mkdir()
     paths = [make_checkpoint(spm, run / f"checkpoint_{s}.pt", seed=s, step=s) for s in (1, 2, 3)]
@@ -78,7 +75,7 @@ def test_cli_average_loads_in_translate(spm: Path, tmp_path: Path) -> None:
     payload["optimizer"] = {"state": {}, "param_groups": []}  # training state is dropped
     save_checkpoint(payload, paths[0])
     out = tmp_path / "avg" / "averaged.pt"
-    result = cli_nmt("average", str(run), "--last", "3", "-o", str(out))
+    result = nmt_cli.invoke("average", str(run), "--last", "3", "-o", str(out))
     assert result.returncode == 0, result.stderr.decode()
     avg = load_checkpoint(out)
     assert avg["step"] == 3 and "optimizer" not in avg
@@ -89,21 +86,21 @@ def test_cli_average_loads_in_translate(spm: Path, tmp_path: Path) -> None:
         assert torch.allclose(value, mean, atol=1e-6), key
     # Explicit files give the same result, and the output translates.
     out2 = tmp_path / "avg2.pt"
-    result = cli_nmt("average", *map(str, paths), "-o", str(out2))
+    result = nmt_cli.invoke("average", *map(str, paths), "-o", str(out2))
     assert result.returncode == 0, result.stderr.decode()
     assert all(torch.equal(v, load_checkpoint(out2)["model"][k])
                for k, v in avg["model"].items())
-    result = cli_nmt("translate", "-m", str(out), "--max-len-b", "3", input=b"a dog\n\n")
+    result = nmt_cli.invoke("translate", "-m", str(out), "--max-len-b", "3", input=b"a dog\n\n")
     assert result.returncode == 0, result.stderr.decode()
     assert result.stdout.count(b"\n") == 2
 
 
-def test_cli_average_refuses_mismatched_models(spm: Path, tmp_path: Path) -> None:
+def test_cli_average_refuses_mismatched_models(spm: Path, tmp_path: Path, nmt_cli: NmtCli) -> None:
     a = make_checkpoint(spm, tmp_path / "a.pt", step=1)
     b = make_checkpoint(spm, tmp_path / "b.pt", step=2, d_ff=256)
-    result = cli_nmt("average", str(a), str(b), "-o", str(tmp_path / "out.pt"))
+    result = nmt_cli.invoke("average", str(a), str(b), "-o", str(tmp_path / "out.pt"))
     assert result.returncode == 6
     assert b"b.pt: model_config differs" in result.stderr and b"d_ff" in result.stderr
     assert not (tmp_path / "out.pt").exists()
-    result = cli_nmt("average", str(tmp_path), "-o", str(tmp_path / "out.pt"))
+    result = nmt_cli.invoke("average", str(tmp_path), "-o", str(tmp_path / "out.pt"))
     assert result.returncode == 2 and b"--last" in result.stderr

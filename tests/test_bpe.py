@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +15,6 @@ from nmt.data.bpe import BpeConfig, run_bpe
 from nmt.data.dataset import ParallelData, load_vocab
 from nmt.errors import DataError, UsageError
 
-REPO = Path(__file__).resolve().parents[1]
 # prep's layout: Multi30k train -> train, val -> valid, test_2016_flickr -> test.
 LAYOUT = {"train": "train", "valid": "val", "test": "test_2016_flickr"}
 
@@ -179,32 +175,26 @@ def test_failure_midway_leaves_no_partial_output(tmp_path, multi30k_dir, monkeyp
     assert len(ParallelData.open(data, "train")) == 1014
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
-    return subprocess.run([sys.executable, "-m", "cli.main", "bpe", *args], cwd=REPO,
-                          capture_output=True, text=True, env=env, timeout=300)
-
-
-def test_cli_exit_codes(tmp_path, multi30k_dir):
+def test_cli_exit_codes(tmp_path, multi30k_dir, nmt_cli):
     data = make_data_dir(tmp_path / "d", multi30k_dir, splits=("valid",), vocab_size=100000)
     for side in ("src", "tgt"):
         shutil.copyfile(data / f"valid.{side}", data / f"train.{side}")
     # Vocabulary too large for a small corpus: usage error, one line, no traceback.
-    result = _cli(str(data))
-    assert result.returncode == 2, result.stderr
-    last = result.stderr.strip().splitlines()[-1]
+    result = nmt_cli.run("bpe", data)
+    assert result.returncode == 2, result.err
+    last = result.err.strip().splitlines()[-1]
     assert last.startswith("nmt bpe: error: --vocab-size 100000 does not fit")
     assert "set it to a value <=" in last
-    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert "Traceback" not in result.err and result.out == ""
     # Success, with progress on stderr only.
-    result = _cli(str(data), "--vocab-size", "1000", "--sample", "1500", "--threads", "1")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout == "" and "valid: 1014 lines" in result.stderr
+    result = nmt_cli.run("bpe", data, "--vocab-size", "1000", "--sample", "1500", "--threads", "1")
+    assert result.returncode == 0, result.err
+    assert result.out == "" and "valid: 1014 lines" in result.err
     assert len(ParallelData.open(data, "valid")) == 1014
     # Misaligned sides: data error (exit 3) naming both files.
     (data / "valid.tgt").write_text("just one line\n", encoding="utf-8")
-    result = _cli(str(data), "--vocab-size", "1000")
+    result = nmt_cli.run("bpe", data, "--vocab-size", "1000")
     assert result.returncode == 3
-    assert result.stderr.startswith("nmt bpe: error: ")  # fails before any progress line
-    assert "valid.src has 1014 lines but" in result.stderr and "has 1 lines" in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+    assert result.err.startswith("nmt bpe: error: ")  # fails before any progress line
+    assert "valid.src has 1014 lines but" in result.err and "has 1 lines" in result.err
+    assert len(result.err.strip().splitlines()) == 1

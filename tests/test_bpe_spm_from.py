@@ -5,15 +5,12 @@ the parent's vocabulary from one part of the training set, the new data from ano
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, shared_data_path
-from test_hostile_checkpoint import _RunsCode
-from test_translate_util import make_checkpoint, make_vocab
+from conftest import shared_data_path
+from helpers.checkpoints import RunsCode, make_checkpoint, make_vocab
 
 from nmt.checkpoint import FORMAT
 from nmt.data.bpe import BpeConfig, run_bpe
@@ -38,11 +35,6 @@ def parent(tmp_path_factory):
     root = tmp_path_factory.mktemp("parent")
     model = make_vocab(shared_data_path("multi30k"), root, lines=1500, size=600)
     return make_checkpoint(model, root / "parent.pt"), model
-
-
-def _nmt_bpe(*args):
-    return subprocess.run([sys.executable, "-m", "cli.main", "bpe", *map(str, args)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
 def test_new_data_gets_the_parent_ids(tmp_path, parent, multi30k_dir):
@@ -73,13 +65,13 @@ def test_new_data_gets_the_parent_ids(tmp_path, parent, multi30k_dir):
         BpeConfig(spm_from=checkpoint, vocab_size=600)
 
 
-def test_bad_or_unsafe_checkpoints_are_one_line_exit_6(tmp_path, parent, multi30k_dir):
+def test_bad_or_unsafe_checkpoints_are_one_line_exit_6(tmp_path, parent, multi30k_dir, nmt_cli):
     checkpoint, spm_model = parent
     data = _data_dir(tmp_path / "child", multi30k_dir, 20000, 20100)
     marker = tmp_path / "code_ran"
     evil = tmp_path / "evil.pt"
     torch.save({"format": FORMAT, "step": 1, "model_config": {}, "model": {},
-                "vocab": _RunsCode(f"touch {marker}")}, evil)
+                "vocab": RunsCode(f"touch {marker}")}, evil)
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint at all")
     no_spm = tmp_path / "no_spm.pt"
@@ -87,16 +79,16 @@ def test_bad_or_unsafe_checkpoints_are_one_line_exit_6(tmp_path, parent, multi30
     torch.save({**payload, "vocab": b"not a sentencepiece model"}, no_spm)
     for bad, words in ((evil, ["refused to load"]), (garbage, ["refused to load"]),
                        (no_spm, ["invalid sentencepiece model"])):
-        run = _nmt_bpe(data, "--spm-from", bad)
-        assert run.returncode == 6, run.stderr
-        lines = run.stderr.splitlines()
-        assert len(lines) == 1 and lines[0].startswith(f"nmt bpe: error: {bad}"), run.stderr
-        assert all(w in lines[0] for w in words) and "Traceback" not in run.stderr
+        run = nmt_cli.invoke("bpe", data, "--spm-from", bad)
+        assert run.returncode == 6, run.err
+        lines = run.err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"nmt bpe: error: {bad}"), run.err
+        assert all(w in lines[0] for w in words) and "Traceback" not in run.err
     assert not marker.exists()  # the pickled command never ran
     assert not (data / "spm.model").exists()
     bad_model = tmp_path / "bad.model"
     bad_model.write_bytes(b"junk")
-    run = _nmt_bpe(data, "--spm-from", bad_model)
-    assert run.returncode == 3 and "bad.model" in run.stderr, run.stderr
-    run = _nmt_bpe(data, "--spm-from", checkpoint, "--vocab-size", "100")
-    assert run.returncode == 2 and "exclude each other" in run.stderr
+    run = nmt_cli.invoke("bpe", data, "--spm-from", bad_model)
+    assert run.returncode == 3 and "bad.model" in run.err, run.err
+    run = nmt_cli.invoke("bpe", data, "--spm-from", checkpoint, "--vocab-size", "100")
+    assert run.returncode == 2 and "exclude each other" in run.err

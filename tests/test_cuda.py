@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from test_train_fixtures import make_copy_data
+from helpers.data import make_copy_data
 
 from nmt.checkpoint import load_checkpoint
 from nmt.config import DecodeConfig, TrainConfig, model_preset

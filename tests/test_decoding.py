@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from test_model import VOCAB, make_model, random_batch
+from helpers.models import VOCAB, make_model, random_batch
 
 import nmt.inference.search
 from nmt.config import model_preset

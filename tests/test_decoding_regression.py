@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from test_translate_util import make_vocab
+from helpers.checkpoints import make_vocab
 
 from nmt.checkpoint import FORMAT, save_checkpoint
 from nmt.config import DecodeConfig, model_preset

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_translate_util import cli_nmt, make_checkpoint, make_vocab
+from helpers.checkpoints import make_checkpoint, make_vocab
+from helpers.cli import NmtCli
 
 from nmt.checkpoint import load_model
 from nmt.data.vocab import BOS_ID, EOS_ID
@@ -73,11 +74,11 @@ def max_log_prob_diff(checkpoint: Path, model_dir: Path, pairs: list[tuple[str, 
     {"pre_norm": True, "learned_positions": True},
     {"d_k": 8, "d_v": 8},  # heads x d_k != d_model: CTranslate2's head_dim
 ])
-def test_round_trip_log_probs_equal(arch: dict, spm: Path, lines: list, tmp_path: Path
-                                    ) -> None:
+def test_round_trip_log_probs_equal(arch: dict, spm: Path, lines: list, tmp_path: Path,
+                                    nmt_cli: NmtCli) -> None:
     checkpoint = make_checkpoint(spm, tmp_path / "model.pt", seed=3, **arch)
     out = tmp_path / "ct2"
-    result = cli_nmt("export", "ct2", "-m", str(checkpoint), "-o", str(out))
+    result = nmt_cli.invoke("export", "ct2", "-m", str(checkpoint), "-o", str(out))
     assert result.returncode == 0, result.stderr.decode()
     assert {p.name for p in out.iterdir()} >= {"model.bin", "config.json", "README.md",
                                                "sentencepiece.model",
@@ -88,16 +89,16 @@ def test_round_trip_log_probs_equal(arch: dict, spm: Path, lines: list, tmp_path
 
 
 @needs_ct2
-def test_int8_export_and_replacing(spm: Path, lines: list, tmp_path: Path) -> None:
+def test_int8_export_and_replacing(spm: Path, lines: list, tmp_path: Path, nmt_cli: NmtCli) -> None:
     checkpoint = make_checkpoint(spm, tmp_path / "model.pt", seed=4)
     out = tmp_path / "ct2"
-    assert cli_nmt("export", "ct2", "-m", str(checkpoint), "-o", str(out)).returncode == 0
+    assert nmt_cli.invoke("export", "ct2", "-m", str(checkpoint), "-o", str(out)).returncode == 0
     size = (out / "model.bin").stat().st_size
-    result = cli_nmt("export", "ct2", "-m", str(checkpoint), "-o", str(out),
-                     "--quantization", "int8")
+    result = nmt_cli.invoke("export", "ct2", "-m", str(checkpoint), "-o", str(out),
+                            "--quantization", "int8")
     assert result.returncode == 2 and b"already exists" in result.stderr
-    result = cli_nmt("export", "ct2", "-m", str(checkpoint), "-o", str(out),
-                     "--quantization", "int8", "--force")
+    result = nmt_cli.invoke("export", "ct2", "-m", str(checkpoint), "-o", str(out),
+                            "--quantization", "int8", "--force")
     assert result.returncode == 0, result.stderr.decode()
     assert (out / "model.bin").stat().st_size < size / 2  # int8 weights
     # The exported int8 weights and scales, dequantized by CTranslate2 and run in float32:
@@ -126,19 +127,19 @@ def ct2_int8_without_saturation() -> bool:
                                                 "ONEDNN_MAX_CPU_ISA")
 
 
-def test_errors_are_one_line(spm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                             ) -> None:
+def test_errors_are_one_line(spm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                             nmt_cli: NmtCli) -> None:
     checkpoint = make_checkpoint(spm, tmp_path / "model.pt")
-    result = cli_nmt("export", "ct2", "-m", str(tmp_path / "none.pt"), "-o",
-                     str(tmp_path / "out"))
+    result = nmt_cli.invoke("export", "ct2", "-m", str(tmp_path / "none.pt"), "-o",
+                            str(tmp_path / "out"))
     if ctranslate2 is not None:
         assert result.returncode == 3 and b"no such checkpoint" in result.stderr
-    result = cli_nmt("export", "ct2", "-m", str(checkpoint), "-o", str(tmp_path / "o"),
-                     "--quantization", "int4")
+    result = nmt_cli.invoke("export", "ct2", "-m", str(checkpoint), "-o", str(tmp_path / "o"),
+                            "--quantization", "int4")
     assert result.returncode == 2 and b"choose one of" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     monkeypatch.setitem(sys.modules, "ctranslate2", None)  # as if not installed
-    result = cli_nmt("export", "ct2", "-m", str(checkpoint), "-o", str(tmp_path / "o"))
+    result = nmt_cli.invoke("export", "ct2", "-m", str(checkpoint), "-o", str(tmp_path / "o"))
     assert result.returncode == 2
     assert result.stderr.decode().strip() == (
         "nmt export ct2: error: ctranslate2 is not installed; install it with: pip install "
@@ -150,7 +151,7 @@ def test_errors_are_one_line(spm: Path, tmp_path: Path, monkeypatch: pytest.Monk
 def multi30k_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny model trained briefly on Multi30k (a real, if weak, translation model)."""
     from conftest import shared_data_path
-    from test_train_fixtures import train_one_thread, write_text_data
+    from helpers.data import train_one_thread, write_text_data
 
     from nmt.config import TrainConfig, model_preset
 
@@ -199,7 +200,7 @@ def beam_outputs(checkpoint: Path, model_dir: Path, sources: list[str], alpha: f
 @needs_ct2
 @pytest.mark.slow
 def test_trained_model_translates_the_same(multi30k_model: Path, lines: list,
-                                           tmp_path: Path) -> None:
+                                           tmp_path: Path, nmt_cli: NmtCli) -> None:
     """Beam 4 on the 1,000 test2016 lines: without a length penalty, where both searches
     rank and stop alike, the same output on >= 99% of the lines that end before the length
     limit (see beam_outputs); with the paper's 0.6 they differ by design (CTranslate2
@@ -207,7 +208,8 @@ def test_trained_model_translates_the_same(multi30k_model: Path, lines: list,
     stops at `beam` finished hypotheses), yet this weak model, which often babbles to the
     limit, still agrees on most lines (the demo model: README.md)."""
     out = tmp_path / "ct2"
-    assert cli_nmt("export", "ct2", "-m", str(multi30k_model), "-o", str(out)).returncode == 0
+    result = nmt_cli.invoke("export", "ct2", "-m", str(multi30k_model), "-o", str(out))
+    assert result.returncode == 0
     assert max_log_prob_diff(multi30k_model, out, lines[:16]) < 1e-4
     sources = [s for s, _ in lines]
     ours, theirs, ended = beam_outputs(multi30k_model, out, sources, 0.0, max_len=30)

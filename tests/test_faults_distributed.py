@@ -8,18 +8,23 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
-from test_faults_train import FAST_FLAGS, MODEL_FLAGS, m30k  # noqa: F401  (fixture)
+from helpers.data import FAST_FLAGS, MODEL_FLAGS, multi30k_data
 
 from nmt.checkpoint import load_checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
 BOUND_S = 60.0  # the whole job must be gone this long after the kill
+
+
+@pytest.fixture(scope="module")
+def m30k(tmp_path_factory) -> Path:
+    """The DATA of test_faults_train: 300 real Multi30k pairs (+20 valid), joint BPE 400."""
+    return multi30k_data(tmp_path_factory.mktemp("m30k") / "data", n_train=300, n_valid=20,
+                         vocab_size=400)
 
 
 def _find_rank(tag: str, rank: int) -> int | None:
@@ -49,17 +54,15 @@ def _wait_for(predicate, timeout: float, what: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0])
-def test_killing_one_of_two_gloo_ranks_ends_the_job_naming_it(m30k, tmp_path, victim):  # noqa: F811
+def test_killing_one_of_two_gloo_ranks_ends_the_job_naming_it(m30k, tmp_path, victim,
+                                                               nmt_cli):
     run = tmp_path / "run"
     tag = uuid.uuid4().hex
     log = tmp_path / "stderr.txt"
-    cmd = [sys.executable, "-m", "cli.main", "train", str(m30k), "-o", str(run),
-           *MODEL_FLAGS, *FAST_FLAGS, "--nproc", "2", "--max-updates", "500"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "NMT_TEST_TAG": tag,
-           "PYTHONPATH": str(REPO)}
     with log.open("w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env,
-                                cwd=REPO, start_new_session=True)
+        proc = nmt_cli.popen("train", m30k, "-o", run, *MODEL_FLAGS, *FAST_FLAGS, "--nproc",
+                             "2", "--max-updates", "500", env={"NMT_TEST_TAG": tag},
+                             stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     try:
         _wait_for(lambda: "saved " in log.read_text(), 240, "the first checkpoint")
         time.sleep(random.Random(victim).uniform(0.0, 1.0))  # seeded: mid-update or save

@@ -12,53 +12,31 @@ import random
 import resource
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from test_train_fixtures import write_text_data
+from helpers.checkpoints import RunsCode
+from helpers.cli import NmtCli
+from helpers.data import FAST, FAST_FLAGS, MODEL, MODEL_FLAGS, multi30k_data
 
 from nmt.checkpoint import FORMAT, load_checkpoint
-from nmt.config import TrainConfig, model_preset
+from nmt.config import TrainConfig
 from nmt.train.log import read_jsonl
 from nmt.train.loop import train
-
-REPO = Path(__file__).resolve().parents[1]
-MODEL_FLAGS = ["--arch", "tiny", "--dropout", "0.1", "--device", "cpu"]  # dropout ON: the
-MODEL = model_preset("tiny", dropout=0.1)  # RNG state must survive every kill too
 
 
 @pytest.fixture(scope="module")
 def m30k(tmp_path_factory) -> Path:
     """300 real Multi30k pairs (+20 valid), joint BPE 400, binarized by the `nmt bpe` code."""
-    from conftest import shared_data_path
-
-    src = shared_data_path("multi30k")
-
-    def lines(name: str, n: int) -> list[str]:
-        return (src / name).read_text(encoding="utf-8").splitlines()[:n]
-
-    splits = {"train": list(zip(lines("train.en", 300), lines("train.de", 300), strict=True)),
-              "valid": list(zip(lines("val.en", 20), lines("val.de", 20), strict=True))}
-    return write_text_data(tmp_path_factory.mktemp("m30k") / "data", splits, vocab_size=400)
+    return multi30k_data(tmp_path_factory.mktemp("m30k") / "data", n_train=300, n_valid=20,
+                         vocab_size=400)
 
 
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-
-
-def _train_cmd(data: Path, run: Path, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "cli.main", "train", str(data), "-o", str(run),
-            *MODEL_FLAGS, *flags]
-
-
-def _nmt_train(data: Path, run: Path, *flags: str, timeout: float = 300,
-               preexec_fn=None) -> subprocess.CompletedProcess:
-    return subprocess.run(_train_cmd(data, run, *flags), capture_output=True, text=True,
-                          timeout=timeout, env=_env(), cwd=REPO, preexec_fn=preexec_fn)
+def _train_args(data: Path, run: Path, *flags: str) -> list[str]:
+    """`nmt train` arguments of the fault runs (tiny model, dropout on, CPU)."""
+    return ["train", str(data), "-o", str(run), *MODEL_FLAGS, *flags]
 
 
 def _all_finite(payload: dict) -> bool:
@@ -114,17 +92,16 @@ def _saved_steps(text: str) -> list[int]:
             for line in text.splitlines() if line.startswith("saved ") and "(update " in line]
 
 
-def _run_and_kill(cmd: list[str], log: Path, rng: random.Random, at_start: bool,
-                  timeout: float = 180) -> tuple[bool, str]:
-    """Start `cmd`; SIGKILL it at a seeded random moment. Returns (killed, its stderr).
+def _run_and_kill(cli: NmtCli, args: list[str], log: Path, rng: random.Random,
+                  at_start: bool, timeout: float = 180) -> tuple[bool, str]:
+    """Start `nmt ARGS`; SIGKILL it at a seeded random moment. Returns (killed, its stderr).
 
     at_start: a delay from process start (import, data loading, resume); otherwise a delay
     after this run's first completed save, so that the kill lands in training or inside a
     checkpoint write (every update saves).
     """
     with log.open("w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=_env(),
-                                cwd=REPO)
+        proc = cli.popen(*args, stdout=subprocess.DEVNULL, stderr=err)
     start = time.monotonic()
     delay = rng.uniform(0.0, 6.0) if at_start else None
     armed_at = start if at_start else None
@@ -145,10 +122,11 @@ def _run_and_kill(cmd: list[str], log: Path, rng: random.Random, at_start: bool,
 
 
 @pytest.mark.slow
-def test_kill_9_twenty_times_then_resume_equals_uninterrupted_run(m30k, tmp_path, one_thread):
+def test_kill_9_twenty_times_then_resume_equals_uninterrupted_run(m30k, tmp_path, one_thread,
+                                                                  nmt_cli):
     run = tmp_path / "run"
-    cmd = _train_cmd(m30k, run, *KILL_FLAGS, "--max-updates", str(KILL_UPDATES))
-    cmd[1:3] = ["-c", SLOW_WRITES]  # python -c SLOW_WRITES train DATA ...
+    args = _train_args(m30k, run, *KILL_FLAGS, "--max-updates", str(KILL_UPDATES))
+    slow = nmt_cli.instrumented(SLOW_WRITES)  # python -c SLOW_WRITES train DATA ...
     rng = random.Random(20240601)
     kills = tries = 0
     last_step = 0
@@ -156,7 +134,7 @@ def test_kill_9_twenty_times_then_resume_equals_uninterrupted_run(m30k, tmp_path
     while kills < 20:
         tries += 1
         assert tries <= 40, "training finished before 20 kills landed; raise KILL_UPDATES"
-        killed, stderr = _run_and_kill(cmd, tmp_path / f"stderr_{tries}.txt", rng,
+        killed, stderr = _run_and_kill(slow, args, tmp_path / f"stderr_{tries}.txt", rng,
                                        at_start=tries % 4 == 0)
         assert killed or "stopped at update" in stderr, stderr
         kills += killed
@@ -170,9 +148,8 @@ def test_kill_9_twenty_times_then_resume_equals_uninterrupted_run(m30k, tmp_path
         assert step >= max(completed, default=0), (step, completed)  # no saved progress lost
         assert step >= last_step  # never goes backwards across kills
         last_step = step
-    final = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(),
-                           cwd=REPO)
-    assert final.returncode == 0, final.stderr
+    final = slow.run(*args)
+    assert final.returncode == 0, final.err
     assert _temps(run) == [], "a killed write's temp file outlived the next run"
     assert seen_temps, "no kill landed inside a checkpoint write"
     for line in (run / "train_log.jsonl").read_text().splitlines():
@@ -193,28 +170,12 @@ def test_kill_9_twenty_times_then_resume_equals_uninterrupted_run(m30k, tmp_path
 
 # ----- a full disk at checkpoint time -----
 
-FAST = dict(max_tokens=512, warmup=10, seed=7, log_interval=1, valid_interval=1000,
-            save_interval_minutes=0, save_interval_updates=1, keep_last=3)
-FAST_FLAGS = ["--max-tokens", "512", "--warmup", "10", "--seed", "7", "--log-interval", "1",
-              "--valid-interval", "1000", "--save-interval-minutes", "0",
-              "--save-interval-updates", "1", "--keep-last", "3"]
-
-
 def _fresh_run(data: Path, run: Path, updates: int) -> dict:
     """Train `updates` updates in-process (same config as FAST_FLAGS); return the
     checkpoint_last payload and its bytes, to compare after the fault."""
     train(data, run, MODEL, TrainConfig(**FAST, max_updates=updates), "cpu", progress=False)
     return {"bytes": (run / "checkpoint_last.pt").read_bytes(),
             "payload": load_checkpoint(run / "checkpoint_last.pt")}
-
-
-def _cli(*args: str):
-    """Run the Typer app in-process (monkeypatched faults apply); stderr kept apart."""
-    from typer.testing import CliRunner
-
-    from cli.main import app
-
-    return CliRunner().invoke(app, list(args), catch_exceptions=False)
 
 
 def _one_error_line(stderr: str) -> str:
@@ -279,7 +240,7 @@ def _fill_disk_on_write(monkeypatch, nth: int, room: int = 100_000) -> None:
 
 @pytest.mark.parametrize("where", ["numbered", "last"])
 def test_disk_full_at_checkpoint_keeps_previous_and_exits_6(m30k, tmp_path, monkeypatch,
-                                                            one_thread, where):
+                                                            one_thread, where, nmt_cli):
     """ENOSPC halfway through the numbered checkpoint, or through its copy to
     checkpoint_last (a file system without hard links, where checkpoint_last is a copy):
     one error line, exit 6, the previous checkpoint_last untouched."""
@@ -293,10 +254,9 @@ def test_disk_full_at_checkpoint_keeps_previous_and_exits_6(m30k, tmp_path, monk
 
         monkeypatch.setattr(state.os, "link", no_links)
     _fill_disk_on_write(monkeypatch, nth=1 if where == "numbered" else 2)
-    result = _cli("train", str(m30k), "-o", str(run), *MODEL_FLAGS, *FAST_FLAGS,
-                  "--max-updates", "4")
-    assert result.exit_code == 6, result.stderr
-    line = _one_error_line(result.stderr)
+    result = nmt_cli.invoke(*_train_args(m30k, run, *FAST_FLAGS, "--max-updates", "4"))
+    assert result.returncode == 6, result.err
+    line = _one_error_line(result.err)
     assert "No space left on device" in line
     assert ("checkpoint_last.pt" in line) == (where == "last")
     _assert_intact(run, before)
@@ -314,20 +274,20 @@ def _limit_file_size(limit: int):
 
 
 @pytest.mark.slow
-def test_file_size_limit_in_a_real_process_exits_6(m30k, tmp_path, one_thread):
+def test_file_size_limit_in_a_real_process_exits_6(m30k, tmp_path, one_thread, nmt_cli):
     """A real kernel write failure (RLIMIT_FSIZE -> EFBIG) in `nmt train` itself: works
     as root too, where a read-only directory would not stop the writes."""
     run = tmp_path / "run"
     before = _fresh_run(m30k, run, updates=2)
     limit = len(before["bytes"]) // 2
-    done = _nmt_train(m30k, run, *FAST_FLAGS, "--max-updates", "4",
-                      preexec_fn=_limit_file_size(limit))
-    assert done.returncode == 6, done.stderr
-    line = _one_error_line(done.stderr)
+    done = nmt_cli.run(*_train_args(m30k, run, *FAST_FLAGS, "--max-updates", "4"),
+                       preexec_fn=_limit_file_size(limit))
+    assert done.returncode == 6, done.err
+    line = _one_error_line(done.err)
     assert "cannot write checkpoint" in line and "File too large" in line
     _assert_intact(run, before)
-    again = _nmt_train(m30k, run, *FAST_FLAGS, "--max-updates", "4")  # space is back
-    assert again.returncode == 0, again.stderr
+    again = nmt_cli.run(*_train_args(m30k, run, *FAST_FLAGS, "--max-updates", "4"))
+    assert again.returncode == 0, again.err  # space is back
     assert load_checkpoint(run / "checkpoint_last.pt")["step"] == 4
 
 
@@ -369,16 +329,16 @@ def _poison_loss(monkeypatch, bad_calls: set[int]) -> list[int]:
 
 @pytest.mark.parametrize("kind", ["nan_logits", "inf_loss"])
 def test_nonfinite_updates_are_skipped_and_counted(m30k, tmp_path, monkeypatch, one_thread,
-                                                   kind):
+                                                   kind, nmt_cli):
     run = tmp_path / "run"
     bad = {3, 5}
     calls = (_poison_forward(monkeypatch, bad, float("nan")) if kind == "nan_logits"
              else _poison_loss(monkeypatch, bad))
-    result = _cli("train", str(m30k), "-o", str(run), *MODEL_FLAGS, *FAST_FLAGS,
-                  "--max-updates", "6", "--max-nonfinite-in-a-row", "2")
-    assert result.exit_code == 0, result.stderr
+    result = nmt_cli.invoke(*_train_args(m30k, run, *FAST_FLAGS, "--max-updates", "6",
+                                         "--max-nonfinite-in-a-row", "2"))
+    assert result.returncode == 0, result.err
     assert calls[0] == 8  # 6 updates + 2 skipped attempts
-    assert result.stderr.count("non-finite loss or gradient; step skipped") == 2
+    assert result.err.count("non-finite loss or gradient; step skipped") == 2
     records = [r for r in read_jsonl(run / "train_log.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     # attempts: 1 2 (3 bad) 4 (5 bad) 6 7 8 -> updates 1 2 . 3 . 4 5 6
@@ -391,16 +351,16 @@ def test_nonfinite_updates_are_skipped_and_counted(m30k, tmp_path, monkeypatch, 
 
 @pytest.mark.parametrize("kind", ["nan_logits", "inf_loss"])
 def test_nonfinite_in_a_row_aborts_with_exit_7_and_saves_nothing(m30k, tmp_path, monkeypatch,
-                                                                 one_thread, kind):
+                                                                 one_thread, kind, nmt_cli):
     run = tmp_path / "run"
     before = _fresh_run(m30k, run, updates=2)
     bad = set(range(2, 100))  # the resumed run makes update 3, then only NaN/inf
     calls = (_poison_forward(monkeypatch, bad, float("nan")) if kind == "nan_logits"
              else _poison_loss(monkeypatch, bad))
-    result = _cli("train", str(m30k), "-o", str(run), *MODEL_FLAGS, *FAST_FLAGS,
-                  "--max-updates", "10", "--max-nonfinite-in-a-row", "3")
-    assert result.exit_code == 7, result.stderr
-    line = _one_error_line(result.stderr)
+    result = nmt_cli.invoke(*_train_args(m30k, run, *FAST_FLAGS, "--max-updates", "10",
+                                         "--max-nonfinite-in-a-row", "3"))
+    assert result.returncode == 7, result.err
+    line = _one_error_line(result.err)
     assert "3 updates in a row had a non-finite loss" in line and "update 3" in line
     assert calls[0] == 4
     good = load_checkpoint(run / "checkpoint_3.pt")
@@ -416,21 +376,11 @@ def test_nonfinite_in_a_row_aborts_with_exit_7_and_saves_nothing(m30k, tmp_path,
 
 # ----- a hostile checkpoint on resume -----
 
-class _RunsCode:
-    """Unpickling this calls os.system(command): what an attacker would ship."""
-
-    def __init__(self, command: str) -> None:
-        self.command = command
-
-    def __reduce__(self) -> tuple:
-        return (os.system, (self.command,))
-
-
 def _plant(run: Path, marker: Path, kind: str) -> Path:
     """RUN/checkpoint_last.pt as a torch zip or a bare pickle that runs `touch marker`."""
     run.mkdir(parents=True, exist_ok=True)
     path = run / "checkpoint_last.pt"
-    evil = _RunsCode(f"touch {marker}")
+    evil = RunsCode(f"touch {marker}")
     if kind == "zip":
         torch.save({"format": FORMAT, "step": 5, "model_config": {}, "vocab": b"",
                     "model": evil, "optimizer": evil}, path)
@@ -452,14 +402,14 @@ def test_control_the_planted_files_run_code_when_loaded_unsafely(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["zip", pytest.param("pickle", marks=pytest.mark.slow)])
-def test_train_resume_refuses_hostile_checkpoint(m30k, tmp_path, kind):
+def test_train_resume_refuses_hostile_checkpoint(m30k, tmp_path, kind, nmt_cli):
     run = tmp_path / "run"
     marker = tmp_path / "pwned"
     planted = _plant(run, marker, kind)
     planted_bytes = planted.read_bytes()
-    done = _nmt_train(m30k, run, *FAST_FLAGS, "--max-updates", "2")
-    assert done.returncode == 6, done.stderr
-    line = _one_error_line(done.stderr)
+    done = nmt_cli.run(*_train_args(m30k, run, *FAST_FLAGS, "--max-updates", "2"))
+    assert done.returncode == 6, done.err
+    line = _one_error_line(done.err)
     assert "checkpoint_last.pt" in line and "refused to load" in line
     assert not marker.exists(), "the pickle ran code"
     assert planted.read_bytes() == planted_bytes  # not overwritten by a fresh run either

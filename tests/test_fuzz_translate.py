@@ -12,11 +12,8 @@ import random
 from pathlib import Path
 
 import pytest
-from test_translate_util import (
-    make_checkpoint,
-    make_vocab,
-    run_nmt,
-)
+from helpers.checkpoints import make_checkpoint, make_vocab
+from helpers.cli import NmtCli
 
 from nmt.config import DecodeConfig
 from nmt.errors import DataError
@@ -144,15 +141,15 @@ def _fuzz(ckpt: Path, per_class: int | None) -> int:
 
 
 @pytest.mark.slow
-def test_fuzz_through_the_cli(ckpt: Path, tmp_path: Path) -> None:
+def test_fuzz_through_the_cli(ckpt: Path, tmp_path: Path, nmt_cli: NmtCli) -> None:
     """One file mixing every class (no final newline) through the real CLI: exit 0."""
     rng = random.Random(99)
     parts = [make(rng) for make, _ in CLASSES.values()] + [b"last line, no newline"]
     data = b"\n".join(parts)
-    result = run_nmt("translate", "-m", str(ckpt), "--beam", "2", "--max-len-b", "2",
-                     input=data, timeout=600)
+    result = nmt_cli.run("translate", "-m", str(ckpt), "--beam", "2", "--max-len-b", "2",
+                         input=data, timeout=600)
     assert result.returncode == 0, result.stderr.decode()[-2000:]
     assert result.stdout.count(b"\n") == len(expected_lines(data))
     assert b"Traceback" not in result.stderr
-    strict = run_nmt("translate", "-m", str(ckpt), "--errors", "strict", input=data)
+    strict = nmt_cli.run("translate", "-m", str(ckpt), "--errors", "strict", input=data)
     assert strict.returncode == 3 and b"invalid UTF-8" in strict.stderr

@@ -130,7 +130,7 @@ def test_int8_on_cuda_is_a_usage_error() -> None:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple:
     """A tiny model trained on a copy task (a real, decisive model)."""
-    from test_train_fixtures import make_copy_data, train_one_thread
+    from helpers.data import make_copy_data, train_one_thread
 
     work = tmp_path_factory.mktemp("int8")
     data = make_copy_data(work / "data", n_train=1500, n_valid=120, max_len=8)

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers.models import tiny_model_batch
 
 from nmt.train.loss import label_smoothed_nll, smoothed_cross_entropy, target_positions
 
@@ -100,26 +101,6 @@ def test_target_positions_pick_real_tokens_of_right_padded_rows():
     tgt = torch.tensor([[5, 6, 3, 0], [3, 0, 0, 0], [7, 8, 9, 3]])
     assert tgt.reshape(-1)[torch.from_numpy(rows)].ne(0).all()
     assert int(tgt.ne(0).sum()) == rows.size
-
-
-def tiny_model_batch() -> tuple:
-    """A tiny fp64 Transformer (vocab 50, no dropout) and a padded batch of 3 pairs (PAD 0):
-    model, src (3, 6), tgt_in and tgt_out (3, 5), and `select`, the flat positions of the
-    real target tokens."""
-    from nmt.config import model_preset
-    from nmt.model.transformer import Transformer
-
-    torch.manual_seed(0)
-    model = Transformer(model_preset("tiny", vocab_size=50, dropout=0.0)).double()
-    lengths = np.array([5, 2, 4])
-    src = torch.randint(4, 50, (3, 6))
-    src[1, 3:] = 0
-    tgt_in = torch.randint(4, 50, (3, 5))
-    tgt_out = torch.randint(4, 50, (3, 5))
-    for row, n in enumerate(lengths):
-        tgt_in[row, n:] = 0
-        tgt_out[row, n:] = 0
-    return model, src, tgt_in, tgt_out, torch.from_numpy(target_positions(lengths, 5))
 
 
 def test_projecting_only_real_targets_gives_the_full_loss_and_gradients():

@@ -11,6 +11,7 @@ import pytest
 import sentencepiece as spm
 import torch
 from conftest import torch_threads
+from helpers.models import VOCAB, make_model, random_batch
 
 from nmt.checkpoint import FORMAT, load_model, save_checkpoint
 from nmt.config import model_preset
@@ -21,33 +22,12 @@ from nmt.model.transformer import Transformer
 
 pytestmark = pytest.mark.isa  # kernel numerics: CI runs these again at AVX2
 
-VOCAB = 50
-
-
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """Tiny matmuls gain nothing from threads, and on a busy shared CPU OpenMP workers
     waiting for each other make them many times slower; restored afterwards."""
     with torch_threads(1):
         yield
-
-
-def make_model(seed: int = 0, **overrides: object) -> Transformer:
-    torch.manual_seed(seed)
-    return Transformer(model_preset("tiny", vocab_size=VOCAB, **overrides)).eval()
-
-
-def random_batch(lengths: list[int], seed: int, bos: bool = False) -> torch.Tensor:
-    """Right-padded (batch, max_len) ids; rows end with EOS (source) or start with BOS."""
-    gen = torch.Generator().manual_seed(seed)
-    batch = torch.full((len(lengths), max(lengths)), PAD_ID, dtype=torch.long)
-    for row, n in enumerate(lengths):
-        batch[row, :n] = torch.randint(EOS_ID + 1, VOCAB, (n,), generator=gen)
-        if bos:
-            batch[row, 0] = BOS_ID
-        else:
-            batch[row, n - 1] = EOS_ID
-    return batch
 
 
 @torch.no_grad()

@@ -9,13 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
+from helpers.cli import NmtCli
 
-from cli.main import app
 from nmt.errors import DataError
 from nmt.plot import read_run_log
 
-runner = CliRunner()
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -73,53 +71,54 @@ def test_read_run_log_drops_superseded_and_cut_records(tmp_path: Path) -> None:
     assert log.valid[2]["elapsed_minutes"] == pytest.approx(7.05)
 
 
-def test_malformed_middle_line_names_file_and_line(tmp_path: Path) -> None:
+def test_malformed_middle_line_names_file_and_line(tmp_path: Path, nmt_cli: NmtCli) -> None:
     path = write_log(tmp_path / "run", [train_record(50, 0.5)])
     path.write_text(path.read_text() + "not json\n" + json.dumps(train_record(100, 1)) + "\n")
     with pytest.raises(DataError, match=r"train_log.jsonl:2: not a JSON object"):
         read_run_log(path)
-    result = runner.invoke(app, ["plot", str(tmp_path / "run")])
-    assert result.exit_code == 3
+    result = nmt_cli.invoke("plot", str(tmp_path / "run"))
+    assert result.returncode == 3
     assert "train_log.jsonl:2" in result.output
 
 
-def test_missing_log_is_a_data_error(tmp_path: Path) -> None:
+def test_missing_log_is_a_data_error(tmp_path: Path, nmt_cli: NmtCli) -> None:
     (tmp_path / "run").mkdir()
-    result = runner.invoke(app, ["plot", str(tmp_path / "run")])
-    assert result.exit_code == 3
+    result = nmt_cli.invoke("plot", str(tmp_path / "run"))
+    assert result.returncode == 3
     assert "no training log" in result.output
 
 
-def test_missing_matplotlib_says_how_to_install(tmp_path: Path, monkeypatch) -> None:
+def test_missing_matplotlib_says_how_to_install(tmp_path: Path, monkeypatch,
+                                                nmt_cli: NmtCli) -> None:
     run = resumed_run(tmp_path / "run").parent
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    result = runner.invoke(app, ["plot", str(run)])
-    assert result.exit_code == 2
+    result = nmt_cli.invoke("plot", str(run))
+    assert result.returncode == 2
     assert "pip install 'nmt[plot]'" in result.output
     assert len(result.output.strip().splitlines()) == 1
     assert not (run / "train_log.png").exists()
 
 
-def test_plot_writes_png_with_a_row_per_quantity(tmp_path: Path) -> None:
+def test_plot_writes_png_with_a_row_per_quantity(tmp_path: Path, nmt_cli: NmtCli) -> None:
     pytest.importorskip("matplotlib", reason="matplotlib (the nmt[plot] extra) is absent")
     run = resumed_run(tmp_path / "run").parent
-    result = runner.invoke(app, ["plot", str(run)])
-    assert result.exit_code == 0, result.output
+    result = nmt_cli.invoke("plot", str(run))
+    assert result.returncode == 0, result.output
     width, height_with_bleu = png_size(run / "train_log.png")
     assert width == 1200
     # without BLEU in the log, the dev BLEU row is left out: a shorter figure
     other = resumed_run(tmp_path / "run2", bleu=False).parent
     out = tmp_path / "curves.png"
-    result = runner.invoke(app, ["plot", str(other), "-o", str(out)])
-    assert result.exit_code == 0, result.output
+    result = nmt_cli.invoke("plot", str(other), "-o", str(out))
+    assert result.returncode == 0, result.output
     assert png_size(out)[1] < height_with_bleu
     assert not list(tmp_path.glob(".curves.png.*"))  # no temp file left behind
 
 
-def test_output_must_be_png_in_an_existing_folder(tmp_path: Path) -> None:
+def test_output_must_be_png_in_an_existing_folder(tmp_path: Path, nmt_cli: NmtCli) -> None:
     run = resumed_run(tmp_path / "run").parent
-    result = runner.invoke(app, ["plot", str(run), "-o", str(tmp_path / "x.pdf")])
-    assert result.exit_code == 2 and ".png" in result.output
-    result = runner.invoke(app, ["plot", str(run), "-o", str(tmp_path / "no" / "x.png")])
-    assert result.exit_code == 2 and "does not exist" in result.output
+    result = nmt_cli.invoke("plot", str(run), "-o", str(tmp_path / "x.pdf"))
+    assert result.returncode == 2 and ".png" in result.output
+    result = nmt_cli.invoke("plot", str(run), "-o", str(tmp_path / "no" / "x.png"))
+    assert result.returncode == 2 and "does not exist" in result.output

@@ -53,31 +53,28 @@ def test_no_note_where_nothing_is_emulated() -> None:
 
 
 @pytest.mark.slow  # three interpreters, each capped before oneDNN starts: 5 s
-def test_train_and_translate_name_emulated_bf16(tmp_path) -> None:
+def test_train_and_translate_name_emulated_bf16(tmp_path, nmt_cli) -> None:
     """`nmt train --precision bf16` on a CPU that emulates it says so on its start-up line,
     with the cost; `nmt translate --precision bf16` warns; both still run. `auto` is
     silent."""
-    from test_train_fixtures import make_copy_data
+    from helpers.data import make_copy_data
 
     data = make_copy_data(tmp_path / "data", n_train=60, n_valid=8)
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1"}
     run = tmp_path / "run"
-
-    def nmt(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "cli.main", *args], input=stdin,
-                              capture_output=True, text=True, env=env, timeout=300)
-
-    done = nmt("train", str(data), "-o", str(run), "--arch", "tiny", "--device", "cpu",
-               "--max-updates", "1", "--max-tokens", "256", "--precision", "bf16")
-    assert done.returncode == 0, done.stderr
-    startup = next(line for line in done.stderr.splitlines() if "precision bf16" in line)
+    capped = {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+    done = nmt_cli.run("train", data, "-o", run, "--arch", "tiny", "--device", "cpu",
+                       "--max-updates", "1", "--max-tokens", "256", "--precision", "bf16",
+                       env=capped)
+    assert done.returncode == 0, done.err
+    startup = next(line for line in done.err.splitlines() if "precision bf16" in line)
     assert "precision bf16 on cpu (slow: this CPU has no native bf16" in startup
     assert "slower than fp32 here. --precision auto picks fp32)" in startup
     model = str(run / "checkpoint_last.pt")
-    out = nmt("translate", "-m", model, "--precision", "bf16", stdin="a b c\n\nd e\n")
-    assert out.returncode == 0, out.stderr
-    assert len(out.stdout.split("\n")) == 4  # one line per input line
-    warning = [line for line in out.stderr.splitlines() if "warning" in line]
+    out = nmt_cli.run("translate", "-m", model, "--precision", "bf16", input="a b c\n\nd e\n",
+                      env=capped)
+    assert out.returncode == 0, out.err
+    assert len(out.out.split("\n")) == 4  # one line per input line
+    warning = [line for line in out.err.splitlines() if "warning" in line]
     assert len(warning) == 1 and "--precision bf16 will be slow" in warning[0]
-    quiet = nmt("translate", "-m", model, stdin="a b c\n")
-    assert quiet.returncode == 0 and "warning" not in quiet.stderr
+    quiet = nmt_cli.run("translate", "-m", model, input="a b c\n", env=capped)
+    assert quiet.returncode == 0 and "warning" not in quiet.err

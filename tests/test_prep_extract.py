@@ -7,7 +7,7 @@ import io
 import tarfile
 
 import pytest
-from fixtures_wmt import make_tgz
+from helpers.wmt import make_tgz
 
 from nmt.data.extract import extract_members, read_lines
 from nmt.errors import DataError, IntegrityError

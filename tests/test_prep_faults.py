@@ -5,34 +5,14 @@ from __future__ import annotations
 
 import gzip
 import io
-import os
-import subprocess
-import sys
 import tarfile
 
 import pytest
-from conftest import REPO
-from fixtures_wmt import build_multi30k_mirror, build_wmt14_mirror, make_tgz, recipe_copy
+from helpers.cli import assert_one_line
+from helpers.wmt import build_multi30k_mirror, build_wmt14_mirror, make_tgz, recipe_copy
 
 from nmt.data.prep import prepare
 from nmt.errors import DataError
-
-
-def _nmt_prep(*args, mirror=None):
-    env = {k: v for k, v in os.environ.items() if k != "NMT_MIRROR"}
-    if mirror is not None:
-        env["NMT_MIRROR"] = str(mirror)
-    return subprocess.run([sys.executable, "-m", "cli.main", "prep", *map(str, args)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-
-
-def _assert_one_line(run, code, *words):
-    assert run.returncode == code, run.stderr
-    lines = run.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("nmt prep: error: "), run.stderr
-    for word in words:
-        assert word in lines[0], (word, lines[0])
-    assert "Traceback" not in run.stderr and run.stdout == ""
 
 
 @pytest.fixture(scope="module")
@@ -40,33 +20,34 @@ def wmt_mirror(tmp_path_factory):
     return build_wmt14_mirror(tmp_path_factory.mktemp("wmt"), n_train=20)
 
 
-def test_checksum_mismatch_exit_4_nothing_written(tmp_path, multi30k_dir):
+def test_checksum_mismatch_exit_4_nothing_written(tmp_path, multi30k_dir, nmt_cli):
     mirror = build_multi30k_mirror(tmp_path / "mirror")
     (mirror / "train.en.gz").write_bytes(gzip.compress(b"tampered\n"))
     out = tmp_path / "out"
-    run = _nmt_prep("multi30k-en-de", "-o", out, mirror=mirror)  # mirror from NMT_MIRROR
-    _assert_one_line(run, 4, "train.en.gz", "content sha256 mismatch", "delete it")
+    run = nmt_cli.run("prep", "multi30k-en-de", "-o", out,
+                      env={"NMT_MIRROR": str(mirror)})  # mirror from NMT_MIRROR
+    assert_one_line(run, 4, "train.en.gz", "content sha256 mismatch", "delete it")
     assert not out.exists()
 
 
-def test_mirror_missing_file_exit_5(tmp_path, multi30k_dir):
+def test_mirror_missing_file_exit_5(tmp_path, multi30k_dir, nmt_cli):
     mirror = build_multi30k_mirror(tmp_path / "mirror")
     (mirror / "val.en.gz").unlink()
-    run = _nmt_prep("multi30k-en-de", "-o", tmp_path / "out", "--mirror", mirror)
-    _assert_one_line(run, 5, "val.en.gz", "raw/val.en.gz", "lacks 1 file")
+    run = nmt_cli.run("prep", "multi30k-en-de", "-o", tmp_path / "out", "--mirror", mirror)
+    assert_one_line(run, 5, "val.en.gz", "raw/val.en.gz", "lacks 1 file")
     assert not (tmp_path / "out").exists()
 
 
-def test_recipe_unknown_key_exit_2(tmp_path):
+def test_recipe_unknown_key_exit_2(tmp_path, nmt_cli):
     bad = recipe_copy("multi30k-en-de", tmp_path / "bad.toml",
                       replace={"max_words = 250": "max_word = 250"})
-    _assert_one_line(_nmt_prep(bad, "-o", tmp_path / "o"), 2, "bad.toml",
+    assert_one_line(nmt_cli.run("prep", bad, "-o", tmp_path / "o"), 2, "bad.toml",
                      "cleaning.max_word", "valid keys")
     # Bad values and unknown names: same path, checked in-process in test_recipes.py.
     assert not (tmp_path / "o").exists()
 
 
-def test_truncated_archive_exit_4(tmp_path, wmt_mirror):
+def test_truncated_archive_exit_4(tmp_path, wmt_mirror, nmt_cli):
     mirror = tmp_path / "mirror"
     mirror.mkdir()
     for path in wmt_mirror.iterdir():
@@ -77,8 +58,8 @@ def test_truncated_archive_exit_4(tmp_path, wmt_mirror):
     # No checksums in this copy, so the extractor itself must notice the damage.
     recipe = recipe_copy("wmt14-en-de", tmp_path / "r.toml")
     out = tmp_path / "out"
-    run = _nmt_prep(recipe, "-o", out, "--mirror", mirror)
-    _assert_one_line(run, 4, "dev.tgz", "truncated or corrupt archive")
+    run = nmt_cli.run("prep", recipe, "-o", out, "--mirror", mirror)
+    assert_one_line(run, 4, "dev.tgz", "truncated or corrupt archive")
     leftovers = [p for p in out.rglob("*") if p.is_file()] if out.exists() else []
     # Finished earlier steps may remain (they are complete); no temp or partial file does.
     assert all(not p.name.endswith(".tmp") for p in leftovers)
@@ -86,7 +67,7 @@ def test_truncated_archive_exit_4(tmp_path, wmt_mirror):
     assert not (out / "valid.src").exists() and not (out / "valid.tgt").exists()
 
 
-def test_hostile_tar_member_exit_4(tmp_path, wmt_mirror):
+def test_hostile_tar_member_exit_4(tmp_path, wmt_mirror, nmt_cli):
     member = "../escape.txt"  # absolute names: tests/test_prep_extract.py
     mirror = tmp_path / "mirror"
     mirror.mkdir()
@@ -102,8 +83,8 @@ def test_hostile_tar_member_exit_4(tmp_path, wmt_mirror):
             dst.addfile(item, src.extractfile(item))
     recipe = recipe_copy("wmt14-en-de", tmp_path / "r.toml")
     out = tmp_path / "out"
-    run = _nmt_prep(recipe, "-o", out, "--mirror", mirror)
-    _assert_one_line(run, 4, "test-full.tgz", repr(member), "outside the output directory")
+    run = nmt_cli.run("prep", recipe, "-o", out, "--mirror", mirror)
+    assert_one_line(run, 4, "test-full.tgz", repr(member), "outside the output directory")
     assert not (tmp_path / "escape.txt").exists() and not (out / "test.src").exists()
 
 

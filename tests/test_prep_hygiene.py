@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from fixtures_wmt import build_wmt14_mirror, make_tgz, recipe_copy
+from helpers.wmt import build_wmt14_mirror, make_tgz, recipe_copy
 
 from nmt.data.bpe import BpeConfig, run_bpe
 from nmt.data.dataset import CorpusRange, ParallelData, corpus_ranges, epoch_shares, load_vocab

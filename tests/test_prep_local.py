@@ -6,27 +6,17 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
-import subprocess
-import sys
 from html import escape
 from pathlib import Path
 
 import pytest
-from conftest import REPO
-from test_prep_faults import _assert_one_line
+from helpers.cli import assert_one_line
 
 from nmt.data.dataset import CorpusRange, corpus_ranges
 from nmt.data.local_recipe import files_recipe, parse_pair
 from nmt.data.prep import prepare
 from nmt.errors import DataError, UsageError
 from nmt.train.settings import resolve
-
-
-def _nmt_prep(*args, cwd=REPO):
-    env = {k: v for k, v in os.environ.items() if k != "NMT_MIRROR"}
-    return subprocess.run([sys.executable, "-m", "cli.main", "prep", *map(str, args)],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 def _slice(src: Path, dest: Path, start: int, stop: int) -> Path:
@@ -54,14 +44,14 @@ def _args(d: Path, m30k: Path, *train: str) -> list[str]:
             "--test", f"{m30k}/test_2016_flickr.en,{m30k}/test_2016_flickr.de"]
 
 
-def test_local_files_give_what_the_recipe_gives(tmp_path, multi30k_dir):
+def test_local_files_give_what_the_recipe_gives(tmp_path, multi30k_dir, nmt_cli):
     """Multi30k's own files, no TOML, the recipe's cleaning: the same text, line for line."""
-    run = _nmt_prep(*_args(multi30k_dir, multi30k_dir,
-                           f"{multi30k_dir}/train.en,{multi30k_dir}/train.de"),
-                    "--max-ratio", "0", "--vocab-size", "8000", "-o", tmp_path / "local",
-                    "--workers", "2")
-    assert run.returncode == 0, run.stderr
-    assert run.stdout == "" and "train 28996, valid 1014, test 1000 lines" in run.stderr
+    run = nmt_cli.run("prep", *_args(multi30k_dir, multi30k_dir,
+                                     f"{multi30k_dir}/train.en,{multi30k_dir}/train.de"),
+                      "--max-ratio", "0", "--vocab-size", "8000", "-o", tmp_path / "local",
+                      "--workers", "2")
+    assert run.returncode == 0, run.err
+    assert run.out == "" and "train 28996, valid 1014, test 1000 lines" in run.err
     recipe = prepare("multi30k-en-de", tmp_path / "recipe", multi30k_dir, workers=1)
     for name in ("train.src", "train.tgt", "valid.src", "valid.tgt", "test.src", "test.tgt"):
         assert (tmp_path / "local" / name).read_bytes() == \
@@ -80,7 +70,8 @@ def test_local_files_give_what_the_recipe_gives(tmp_path, multi30k_dir):
     assert sources == {} and model.d_model == 512
 
 
-def test_idempotent_then_other_files_redo_only_what_they_feed(tmp_path, files, multi30k_dir):
+def test_idempotent_then_other_files_redo_only_what_they_feed(tmp_path, files, multi30k_dir,
+                                                              nmt_cli):
     out = tmp_path / "out"
     first = prepare(files_recipe("en", "de", [parse_pair(f"{files}/a.en,{files}/a.de",
                                                          "--train")],
@@ -91,16 +82,17 @@ def test_idempotent_then_other_files_redo_only_what_they_feed(tmp_path, files, m
     stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.is_file()}
     first_train = (out / "train.src").read_bytes()
     notes: list[str] = []
-    run = _nmt_prep(*_args(files, multi30k_dir), "-o", out)
-    assert run.returncode == 0, run.stderr
+    run = nmt_cli.run("prep", *_args(files, multi30k_dir), "-o", out)
+    assert run.returncode == 0, run.err
     assert stamps == {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.is_file()}
-    assert "writing it again" not in run.stderr
+    assert "writing it again" not in run.err
 
     # Other training files into the same DATA: train is redone (and says so), dev and
     # test stay; nothing of a.* is left in train.
-    run = _nmt_prep(*_args(files, multi30k_dir, f"{files}/b.en,{files}/b.de"), "-o", out)
-    assert run.returncode == 0, run.stderr
-    assert "train: inputs or settings differ from the last run's" in run.stderr
+    run = nmt_cli.run("prep", *_args(files, multi30k_dir, f"{files}/b.en,{files}/b.de"), "-o",
+                      out)
+    assert run.returncode == 0, run.err
+    assert "train: inputs or settings differ from the last run's" in run.err
     manifest = json.loads((out / "manifest.json").read_text("utf-8"))
     assert [c["name"] for c in manifest["splits"]["train"]["corpora"]] == ["b"]
     assert {"b.en", "b.de"} <= set(manifest["archives"]) and "a.en" not in manifest["archives"]
@@ -121,19 +113,19 @@ def test_idempotent_then_other_files_redo_only_what_they_feed(tmp_path, files, m
     assert (out / "train.src").read_bytes() == first_train  # b.* now hold a's pairs
 
 
-def test_weights_gz_and_sgm_inputs(tmp_path, files, multi30k_dir, wmt14_dir):
+def test_weights_gz_and_sgm_inputs(tmp_path, files, multi30k_dir, wmt14_dir, nmt_cli):
     for name in ("b.en", "b.de"):
         (files / f"{name}.gz").write_bytes(gzip.compress((files / name).read_bytes()))
     sgm = wmt14_dir / "sgm"
     out = tmp_path / "out"
-    run = _nmt_prep("--src-lang", "en", "--tgt-lang", "de",
-                    "--train", f"{files}/a.en,{files}/a.de:3",
-                    "--train", f"{files}/b.en.gz,{files}/b.de.gz:1",
-                    "--valid", f"{multi30k_dir}/val.en,{multi30k_dir}/val.de",
-                    "--test", f"{sgm}/newstest2014-deen-src.en.sgm,"
-                              f"{sgm}/newstest2014-deen-ref.de.sgm",
-                    "--max-ratio", "0", "-o", out, "--workers", "1")
-    assert run.returncode == 0, run.stderr
+    run = nmt_cli.run("prep", "--src-lang", "en", "--tgt-lang", "de",
+                      "--train", f"{files}/a.en,{files}/a.de:3",
+                      "--train", f"{files}/b.en.gz,{files}/b.de.gz:1",
+                      "--valid", f"{multi30k_dir}/val.en,{multi30k_dir}/val.de",
+                      "--test", f"{sgm}/newstest2014-deen-src.en.sgm,"
+                                f"{sgm}/newstest2014-deen-ref.de.sgm",
+                      "--max-ratio", "0", "-o", out, "--workers", "1")
+    assert run.returncode == 0, run.err
     assert (out / "test.src").read_bytes() == (wmt14_dir / "newstest2014.en").read_bytes()
     assert (out / "test.tgt").read_bytes() == (wmt14_dir / "newstest2014.de").read_bytes()
     corpora = json.loads((out / "manifest.json").read_text("utf-8"))["splits"]["train"][
@@ -162,26 +154,28 @@ def test_wmt_xml_test_set(tmp_path, files, multi30k_dir, wmt14_dir):
     assert (tmp_path / "out" / "test.tgt").read_text("utf-8").splitlines() == ref
 
 
-def test_bad_local_inputs_are_one_line_errors(tmp_path, files, multi30k_dir):
+def test_bad_local_inputs_are_one_line_errors(tmp_path, files, multi30k_dir, nmt_cli):
+    """In process (no interpreter start): each bad input is one line with its exit code."""
     out = tmp_path / "out"
+    a, b = f"{files}/a.en,{files}/a.de", f"{files}/b.en,{files}/b.de"
     (files / "short.de").write_text("Nur eine Zeile.\n", "utf-8")
-    _assert_one_line(_nmt_prep(*_args(files, multi30k_dir, f"{files}/a.en,{files}/short.de"),
-                              "-o", out), 3, "a.en has 600 lines", "short.de has 1",
-                    "not parallel")
+    run = nmt_cli.invoke("prep", *_args(files, multi30k_dir, f"{files}/a.en,{files}/short.de"),
+                         "-o", out)
+    assert_one_line(run, 3, "a.en has 600 lines", "short.de has 1", "not parallel")
     assert not out.exists()
-    _assert_one_line(_nmt_prep(*_args(files, multi30k_dir, f"{files}/nope.en,{files}/a.de"),
-                              "-o", out), 3, "nope.en: no such file")
-    _assert_one_line(_nmt_prep(*_args(files, multi30k_dir, f"{files}/a.en,{files}/a.de:2",
-                                     f"{files}/b.en,{files}/b.de"), "-o", out),
-                    2, "give every --train a weight")
-    _assert_one_line(_nmt_prep(*_args(files, multi30k_dir, f"{files}/a.en"), "-o", out),
-                    2, "--train", "SRC,TGT")
-    _assert_one_line(_nmt_prep("multi30k-en-de", "--train", f"{files}/a.en,{files}/a.de"),
-                    2, "--train describes local files", "not both")
-    _assert_one_line(_nmt_prep("--src-lang", "en", "--train", f"{files}/a.en,{files}/a.de"),
-                    2, "need --tgt-lang")
-    _assert_one_line(_nmt_prep(*_args(files, multi30k_dir), "--src-lang", "e n", "-o", out),
-                    2, "--src-lang 'e n'")
+    run = nmt_cli.invoke("prep", *_args(files, multi30k_dir, f"{files}/nope.en,{files}/a.de"),
+                         "-o", out)
+    assert_one_line(run, 3, "nope.en: no such file")
+    run = nmt_cli.invoke("prep", *_args(files, multi30k_dir, f"{a}:2", b), "-o", out)
+    assert_one_line(run, 2, "give every --train a weight")
+    run = nmt_cli.invoke("prep", *_args(files, multi30k_dir, f"{files}/a.en"), "-o", out)
+    assert_one_line(run, 2, "--train", "SRC,TGT")
+    run = nmt_cli.invoke("prep", "multi30k-en-de", "--train", a)
+    assert_one_line(run, 2, "--train describes local files", "not both")
+    run = nmt_cli.invoke("prep", "--src-lang", "en", "--train", a)
+    assert_one_line(run, 2, "need --tgt-lang")
+    run = nmt_cli.invoke("prep", *_args(files, multi30k_dir), "--src-lang", "e n", "-o", out)
+    assert_one_line(run, 2, "--src-lang 'e n'")
     assert not out.exists()
     # A valid/test split keeps strict reading: a misaligned dev set is refused as well.
     (files / "val.de").write_text("eins\nzwei\n", "utf-8")

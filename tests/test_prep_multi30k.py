@@ -5,7 +5,7 @@ from __future__ import annotations
 import gzip
 
 import pytest
-from fixtures_wmt import build_multi30k_mirror
+from helpers.wmt import build_multi30k_mirror
 
 from nmt.data.prep import prepare
 from nmt.errors import DownloadError, IntegrityError

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 from conftest import REPO, shared_data_path
-from fixtures_wmt import BAD_PAIRS, build_wmt14_mirror, recipe_copy
+from helpers.wmt import BAD_PAIRS, build_wmt14_mirror, recipe_copy
 
 from nmt.data.prep import prepare
 from nmt.errors import IntegrityError
@@ -66,15 +63,13 @@ def test_shipped_recipe_checks_its_sizes_sha256s_and_sacrebleu_md5(tmp_path, mir
     assert not (tmp_path / "out").exists()
 
 
-def test_cli_wmt14_fixture_with_workers(tmp_path, mirror):
+def test_cli_wmt14_fixture_with_workers(tmp_path, mirror, nmt_cli):
     recipe = recipe_copy("wmt14-en-de", tmp_path / "wmt14-en-de.toml", mirror)
     out = tmp_path / "cli-out"
-    env = {**os.environ, "NMT_MIRROR": str(mirror)}
-    run = subprocess.run([sys.executable, "-m", "cli.main", "prep", str(recipe), "-o",
-                          str(out), "--workers", "2"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    assert run.stdout == ""
-    assert "test 3003" in run.stderr
+    run = nmt_cli.run("prep", recipe, "-o", out, "--workers", "2",
+                      env={"NMT_MIRROR": str(mirror)})
+    assert run.returncode == 0, run.err
+    assert run.out == ""
+    assert "test 3003" in run.err
     wmt = shared_data_path("wmt14")
     assert (out / "test.tgt").read_bytes() == (wmt / "newstest2014.de").read_bytes()

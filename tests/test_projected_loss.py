@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.models import tiny_model_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_loss import tiny_model_batch
 
 from nmt.train.loss import label_smoothed_nll, projected_smoothed_loss
 

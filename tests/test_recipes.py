@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from fixtures_wmt import recipe_copy
+from helpers.wmt import recipe_copy
 
 from nmt.data.recipes import load_recipe, recipe_names
 from nmt.errors import UsageError

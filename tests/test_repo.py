@@ -4,39 +4,34 @@ tests/test_dependencies.py)."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+from helpers.cli import NmtCli
 
 REPO = Path(__file__).resolve().parents[1]
 COMMANDS = ("prep", "bpe", "train", "average", "translate", "score")
 
 
-def _nmt(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True,
-                          text=True, cwd=REPO, timeout=120)
-
-
-def test_help_lists_every_subcommand() -> None:
-    result = _nmt("--help")
-    assert result.returncode == 0, result.stderr
+def test_help_lists_every_subcommand(nmt_cli: NmtCli) -> None:
+    result = nmt_cli.run("--help")
+    assert result.returncode == 0, result.err
     for name in COMMANDS:
-        assert re.search(rf"^\W*{name}\s", result.stdout, re.MULTILINE), name
+        assert re.search(rf"^\W*{name}\s", result.out, re.MULTILINE), name
 
 
-def test_version() -> None:
+def test_version(nmt_cli: NmtCli) -> None:
     from nmt import __version__
 
-    result = _nmt("--version")
+    result = nmt_cli.run("--version")
     assert result.returncode == 0
-    assert result.stdout.strip() == f"nmt {__version__}"
+    assert result.out.strip() == f"nmt {__version__}"
 
 
-def test_every_option_help_shows_its_default() -> None:
+def test_every_option_help_shows_its_default(nmt_cli: NmtCli) -> None:
     """Each option that takes a value and has a default says so in --help."""
     for name in COMMANDS:
-        result = _nmt(name, "--help")
-        assert result.returncode == 0, (name, result.stderr)
+        result = nmt_cli.invoke(name, "--help")
+        assert result.returncode == 0, (name, result.err)
 
 
 def test_ci_runs_the_readme_test_command() -> None:

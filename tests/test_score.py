@@ -7,16 +7,9 @@ from pathlib import Path
 
 import pytest
 import sacrebleu
-from typer.testing import CliRunner
+from helpers.cli import NmtCli
 
-from cli.main import app
 from nmt.score import paper_tokenize
-
-runner = CliRunner()
-
-
-def run(*args: str, input: bytes | None = None):
-    return runner.invoke(app, ["score", *args], input=input)
 
 
 def perturb(lines: list[str]) -> list[str]:
@@ -32,26 +25,28 @@ def perturb(lines: list[str]) -> list[str]:
     return out
 
 
-def test_reference_against_itself_is_100(wmt14_dir: Path, tmp_path: Path) -> None:
+def test_reference_against_itself_is_100(wmt14_dir: Path, tmp_path: Path, nmt_cli: NmtCli) -> None:
     ref = wmt14_dir / "newstest2014.de"
-    result = run("--ref", str(ref), "-i", str(ref), "--json")
-    assert result.exit_code == 0, result.output
-    record = json.loads(result.stdout.strip())
+    result = nmt_cli.invoke("score", "--ref", str(ref), "-i", str(ref), "--json")
+    assert result.returncode == 0, result.output
+    record = json.loads(result.out.strip())
     assert record["scores"][0]["score"] == pytest.approx(100.0)
     assert "tok:13a" in record["scores"][0]["signature"]
     # chrF and TER (slow on 3,003 lines) on the first 300.
     head = tmp_path / "head.de"
     head.write_bytes(b"".join(ref.read_bytes().splitlines(keepends=True)[:300]))
-    result = run("--ref", str(head), "-i", str(head), "--json", "--metrics", "chrf,ter")
-    by_metric = {s["metric"]: s["score"] for s in json.loads(result.stdout)["scores"]}
+    result = nmt_cli.invoke("score", "--ref", str(head), "-i", str(head), "--json", "--metrics",
+                            "chrf,ter")
+    by_metric = {s["metric"]: s["score"] for s in json.loads(result.out)["scores"]}
     assert by_metric == {"chrf": pytest.approx(100.0), "ter": pytest.approx(0.0)}
     # The spelling: space-separated names after one --metrics.
-    spaced = run("--ref", str(head), "-i", str(head), "--json", "--metrics", "bleu", "chrf",
-                 "ter")
-    assert [s["metric"] for s in json.loads(spaced.stdout)["scores"]] == ["bleu", "chrf", "ter"]
+    spaced = nmt_cli.invoke("score", "--ref", str(head), "-i", str(head), "--json", "--metrics",
+                            "bleu", "chrf", "ter")
+    assert [s["metric"] for s in json.loads(spaced.out)["scores"]] == ["bleu", "chrf", "ter"]
 
 
-def test_perturbation_matches_sacrebleu_api(wmt14_dir: Path, tmp_path: Path) -> None:
+def test_perturbation_matches_sacrebleu_api(wmt14_dir: Path, tmp_path: Path,
+                                            nmt_cli: NmtCli) -> None:
     ref = wmt14_dir / "newstest2014.de"
     refs = ref.read_text(encoding="utf-8").split("\n")[:-1]
     hyps = perturb(refs)
@@ -59,23 +54,25 @@ def test_perturbation_matches_sacrebleu_api(wmt14_dir: Path, tmp_path: Path) -> 
     hyp.write_text("\n".join(hyps) + "\n", encoding="utf-8")
     expected = sacrebleu.corpus_bleu(hyps, [refs]).score
     expected_chrf = sacrebleu.corpus_chrf(hyps, [refs]).score
-    result = run("--ref", str(ref), "-i", str(hyp), "--json", "-M", "bleu", "-M", "chrf")
-    assert result.exit_code == 0, result.output
-    scores = json.loads(result.stdout)["scores"]
+    result = nmt_cli.invoke("score", "--ref", str(ref), "-i", str(hyp), "--json", "-M", "bleu",
+                            "-M", "chrf")
+    assert result.returncode == 0, result.output
+    scores = json.loads(result.out)["scores"]
     assert 50 < scores[0]["score"] < 100
     assert scores[0]["score"] == pytest.approx(expected, abs=1e-9)
     assert scores[1]["score"] == pytest.approx(expected_chrf, abs=1e-9)
     # Human output: the score line and sacreBLEU's signature; stdin works the same.
-    human = run("--ref", str(ref), input=hyp.read_bytes())
-    assert human.exit_code == 0, human.output
-    assert human.stdout.startswith(f"BLEU = {expected:.2f}")
-    assert "signature: nrefs:1|case:mixed|eff:no|tok:13a" in human.stdout
-    intl = run("--ref", str(ref), "-i", str(hyp), "--tokenize", "intl", "--json")
-    assert json.loads(intl.stdout)["scores"][0]["score"] == pytest.approx(
+    human = nmt_cli.invoke("score", "--ref", str(ref), input=hyp.read_bytes())
+    assert human.returncode == 0, human.output
+    assert human.out.startswith(f"BLEU = {expected:.2f}")
+    assert "signature: nrefs:1|case:mixed|eff:no|tok:13a" in human.out
+    intl = nmt_cli.invoke("score", "--ref", str(ref), "-i", str(hyp), "--tokenize", "intl",
+                          "--json")
+    assert json.loads(intl.out)["scores"][0]["score"] == pytest.approx(
         sacrebleu.corpus_bleu(hyps, [refs], tokenize="intl").score)
 
 
-def test_paper_bleu_splits_compounds_in_both_sides(tmp_path: Path) -> None:
+def test_paper_bleu_splits_compounds_in_both_sides(tmp_path: Path, nmt_cli: NmtCli) -> None:
     assert paper_tokenize(["Ein Mehrzweck-Gerät für a-b-c & mehr."], "de") == [
         "Ein Mehrzweck ##AT##-##AT## Gerät für a ##AT##-##AT## b-c &amp; mehr ."]
     ref = tmp_path / "ref.de"
@@ -83,47 +80,48 @@ def test_paper_bleu_splits_compounds_in_both_sides(tmp_path: Path) -> None:
     ref.write_text("Das Mehrzweck-Gerät ist gut.\n", encoding="utf-8")
     hyp.write_text("Das Mehrzweck-Gerät ist schlecht.\n", encoding="utf-8")
     # Tokens: Das Mehrzweck ##AT##-##AT## Gerät ist gut/schlecht . -> 7 tokens, 6 match.
-    result = run("--ref", str(ref), "-i", str(hyp), "--paper", "--json")
-    assert result.exit_code == 0, result.output
-    score = json.loads(result.stdout)["scores"][0]
+    result = nmt_cli.invoke("score", "--ref", str(ref), "-i", str(hyp), "--paper", "--json")
+    assert result.returncode == 0, result.output
+    score = json.loads(result.out)["scores"][0]
     assert score["metric"] == "bleu-paper" and "moses-de" in score["signature"]
     # By hand: 1-grams 6/7; 2-grams 4/6; 3-grams 3/5 (Das M AT, M AT G, AT G ist);
     # 4-grams 2/4 (Das M AT G, M AT G ist); equal lengths so BP = 1.
     hand = 100 * (6 / 7 * 4 / 6 * 3 / 5 * 2 / 4) ** 0.25
     assert score["score"] == pytest.approx(hand, abs=1e-6)
-    human = run("--ref", str(ref), "-i", str(hyp), "--paper")
-    assert human.stdout.startswith("paper-style tokenized BLEU")
+    human = nmt_cli.invoke("score", "--ref", str(ref), "-i", str(hyp), "--paper")
+    assert human.out.startswith("paper-style tokenized BLEU")
 
 
-def test_line_count_mismatch_names_counts_and_files(tmp_path: Path) -> None:
+def test_line_count_mismatch_names_counts_and_files(tmp_path: Path, nmt_cli: NmtCli) -> None:
     ref = tmp_path / "ref.de"
     hyp = tmp_path / "hyp.de"
     ref.write_text("a\nb\nc\n", encoding="utf-8")
     hyp.write_text("a\nb\n", encoding="utf-8")
-    result = run("--ref", str(ref), "-i", str(hyp))
-    assert result.exit_code == 3
-    assert "2 hypotheses in" in result.stderr and "3 references in" in result.stderr
-    assert str(hyp) in result.stderr and str(ref) in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+    result = nmt_cli.invoke("score", "--ref", str(ref), "-i", str(hyp))
+    assert result.returncode == 3
+    assert "2 hypotheses in" in result.err and "3 references in" in result.err
+    assert str(hyp) in result.err and str(ref) in result.err
+    assert len(result.err.strip().splitlines()) == 1
 
 
-def test_empty_and_non_utf8_files_are_clear_errors(tmp_path: Path) -> None:
+def test_empty_and_non_utf8_files_are_clear_errors(tmp_path: Path, nmt_cli: NmtCli) -> None:
     ref = tmp_path / "ref.de"
     ref.write_text("a\nb\n", encoding="utf-8")
     empty = tmp_path / "empty.de"
     empty.write_bytes(b"")
-    result = run("--ref", str(ref), "-i", str(empty))
-    assert result.exit_code == 3 and "is empty" in result.stderr
+    result = nmt_cli.invoke("score", "--ref", str(ref), "-i", str(empty))
+    assert result.returncode == 3 and "is empty" in result.err
     bad = tmp_path / "bad.de"
     bad.write_bytes(b"ok\n\xff\xfe oops\n")
-    result = run("--ref", str(ref), "-i", str(bad))
-    assert result.exit_code == 3 and "line 2: invalid UTF-8" in result.stderr
-    result = run("--ref", str(tmp_path / "missing.de"), "-i", str(ref))
-    assert result.exit_code == 3 and "cannot read" in result.stderr
-    result = run("--ref", str(ref), "-i", str(ref), "--metrics", "meteor")
-    assert result.exit_code == 2 and "unknown metric" in result.stderr
-    result = run("--ref", str(ref), "-i", str(ref), "--metrics", "bleu", "stray")
-    assert result.exit_code == 2 and "unknown metric" in result.stderr
+    result = nmt_cli.invoke("score", "--ref", str(ref), "-i", str(bad))
+    assert result.returncode == 3 and "line 2: invalid UTF-8" in result.err
+    result = nmt_cli.invoke("score", "--ref", str(tmp_path / "missing.de"), "-i", str(ref))
+    assert result.returncode == 3 and "cannot read" in result.err
+    result = nmt_cli.invoke("score", "--ref", str(ref), "-i", str(ref), "--metrics", "meteor")
+    assert result.returncode == 2 and "unknown metric" in result.err
+    result = nmt_cli.invoke("score", "--ref", str(ref), "-i", str(ref), "--metrics", "bleu",
+                            "stray")
+    assert result.returncode == 2 and "unknown metric" in result.err
 
 
 def test_corpus_scores_is_sacrebleus_corpus_bleu_and_chrf(multi30k_dir) -> None:

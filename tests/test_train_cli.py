@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
-from test_train_fixtures import write_text_data
+from helpers.data import multi30k_data
 
 from nmt.checkpoint import load_checkpoint
 from nmt.train.log import read_jsonl
@@ -15,35 +11,21 @@ from nmt.train.log import read_jsonl
 
 @pytest.fixture(scope="module")
 def m30k_data(tmp_path_factory, request):
-    from conftest import shared_data_path
-
-    src_dir = shared_data_path("multi30k")
-
-    def lines(name, n):
-        return (src_dir / name).read_text(encoding="utf-8").splitlines()[:n]
-
-    splits = {"train": list(zip(lines("train.en", 2000), lines("train.de", 2000), strict=True)),
-              "valid": list(zip(lines("val.en", 100), lines("val.de", 100), strict=True))}
-    return write_text_data(tmp_path_factory.mktemp("m30k") / "data", splits, vocab_size=1000)
-
-
-def _nmt(*args, timeout=300):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "cli.main", "train", *args],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    return multi30k_data(tmp_path_factory.mktemp("m30k") / "data", n_train=2000, n_valid=100,
+                         vocab_size=1000)
 
 
 @pytest.mark.slow  # two interpreters and 8 updates: 10 s; the in-process test below is fast
-def test_cli_trains_resumes_and_logs(m30k_data, tmp_path):
+def test_cli_trains_resumes_and_logs(m30k_data, tmp_path, nmt_cli):
     run = tmp_path / "run"
     common = [str(m30k_data), "-o", str(run), "--arch", "tiny", "--device", "cpu",
               "--max-tokens", "1024", "--warmup", "10", "--log-interval", "2",
               "--valid-interval", "4", "--valid-bleu", "--save-interval-updates", "3",
               "--keep-last", "2"]
-    done = _nmt(*common, "--max-updates", "6")
-    assert done.returncode == 0, done.stderr
-    assert done.stdout == ""  # data only on stdout; progress and messages on stderr
-    assert "update 6" in done.stderr and "checkpoint_6.pt" in done.stderr
+    done = nmt_cli.run("train", *common, "--max-updates", "6")
+    assert done.returncode == 0, done.err
+    assert done.out == ""  # data only on stdout; progress and messages on stderr
+    assert "update 6" in done.err and "checkpoint_6.pt" in done.err
     assert sorted(p.name for p in run.glob("checkpoint_*.pt")) == [
         "checkpoint_3.pt", "checkpoint_6.pt", "checkpoint_best.pt", "checkpoint_last.pt"]
     assert load_checkpoint(run / "checkpoint_best.pt")["step"] == 4  # the one validation
@@ -53,18 +35,17 @@ def test_cli_trains_resumes_and_logs(m30k_data, tmp_path):
     assert train[-1]["loss"] < train[0]["loss"]
     valid = [r for r in records if r["kind"] == "valid"]
     assert valid and {"valid_loss", "valid_ppl", "valid_bleu"} <= set(valid[0])
-    again = _nmt(*common, "--max-updates", "8")
-    assert again.returncode == 0, again.stderr
-    assert "resuming from update 6" in again.stderr
+    again = nmt_cli.run("train", *common, "--max-updates", "8")
+    assert again.returncode == 0, again.err
+    assert "resuming from update 6" in again.err
     assert load_checkpoint(run / "checkpoint_last.pt")["step"] == 8
 
 
-def test_cli_rejects_bad_flags(m30k_data, tmp_path):
+def test_cli_rejects_bad_flags(m30k_data, tmp_path, nmt_cli):
     """In process (no interpreter start): each usage error is one line with its exit code."""
-    from test_translate_util import cli_nmt
 
     def train(*args: str) -> tuple[int, str]:
-        result = cli_nmt("train", *args)
+        result = nmt_cli.invoke("train", *args)
         return result.returncode, result.stderr.decode()
 
     code, err = train(str(m30k_data), "-o", str(tmp_path / "r"), "--precision", "fp8")
@@ -77,12 +58,12 @@ def test_cli_rejects_bad_flags(m30k_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_nproc_2_runs_under_torchrun(m30k_data, tmp_path):
+def test_cli_nproc_2_runs_under_torchrun(m30k_data, tmp_path, nmt_cli):
     run = tmp_path / "run"
-    done = _nmt(str(m30k_data), "-o", str(run), "--arch", "tiny", "--device", "cpu",
-                "--nproc", "2", "--max-tokens", "1024", "--max-updates", "3",
-                "--log-interval", "1")
-    assert done.returncode == 0, done.stderr
+    done = nmt_cli.run("train", str(m30k_data), "-o", str(run), "--arch", "tiny", "--device",
+                       "cpu", "--nproc", "2", "--max-tokens", "1024", "--max-updates", "3",
+                       "--log-interval", "1")
+    assert done.returncode == 0, done.err
     records = read_jsonl(run / "train_log.jsonl")
     assert [r["world_size"] for r in records if r["kind"] == "train"] == [2, 2, 2]
     assert len(load_checkpoint(run / "checkpoint_last.pt")["rng"]) == 2

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_train_fixtures import make_copy_data
+from helpers.data import make_copy_data
 
 from nmt.checkpoint import load_checkpoint
 from nmt.config import TrainConfig, model_preset
@@ -72,25 +72,23 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_save_only_at_the_last_update_ends_every_rank_10_times(tmp_path):
+def test_save_only_at_the_last_update_ends_every_rank_10_times(tmp_path, nmt_cli):
     """`--max-updates 30 --save-interval-updates 30`: the first checkpoint is written at the
     last update. The end-of-run save used to be decided per rank from RUN's files: rank 1
     looked while rank 0 was still writing, entered the save's collective alone and failed
     (gloo, exit 8) or waited for the 30-minute timeout (NCCL). Ten runs in a row."""
     data = make_copy_data(tmp_path / "data", n_train=200, n_valid=20)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     for attempt in range(10):
         run = tmp_path / f"run{attempt}"
         start = time.monotonic()
-        result = subprocess.run(
-            [sys.executable, "-m", "cli.main", "train", str(data), "--arch", "tiny",
-             "--nproc", "2", "--max-updates", "30", "--save-interval-updates", "30",
-             "--max-tokens", "512", "-o", str(run), "--device", "cpu", "--precision", "fp32"],
-            capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+        result = nmt_cli.run(
+            "train", str(data), "--arch", "tiny", "--nproc", "2", "--max-updates", "30",
+            "--save-interval-updates", "30", "--max-tokens", "512", "-o", str(run), "--device",
+            "cpu", "--precision", "fp32")
         took = time.monotonic() - start
         assert result.returncode == 0, f"run {attempt}: exit {result.returncode}\n" \
-                                       f"{result.stderr[-3000:]}"
-        assert "error" not in result.stderr.lower(), result.stderr[-3000:]
+                                       f"{result.err[-3000:]}"
+        assert "error" not in result.err.lower(), result.err[-3000:]
         assert took < 120, f"run {attempt} took {took:.0f} s"
         assert load_checkpoint(run / "checkpoint_last.pt")["step"] == 30
         assert sorted(p.name for p in run.glob("checkpoint_*.pt")) == [

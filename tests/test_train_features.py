@@ -7,18 +7,16 @@ per-corpus sampling weights."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from test_train_fixtures import write_text_data
+from helpers.data import multi30k_data, write_text_data
 
 from nmt.checkpoint import load_checkpoint
 from nmt.config import TrainConfig, model_preset
@@ -28,7 +26,6 @@ from nmt.train.log import read_jsonl
 from nmt.train.loop import train
 from nmt.train.sampling import EpochBatches, corpus_counts
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL = model_preset("tiny", dropout=0.1)
 
 
@@ -42,12 +39,8 @@ def _pairs(multi30k: Path, split: str, start: int, stop: int) -> list[tuple[str,
 @pytest.fixture(scope="module")
 def m30k(tmp_path_factory) -> Path:
     """400 real Multi30k pairs (+40 valid), joint BPE 500."""
-    from conftest import shared_data_path
-
-    multi30k = shared_data_path("multi30k")
-    return write_text_data(tmp_path_factory.mktemp("m30k") / "data", {
-        "train": _pairs(multi30k, "train", 0, 400),
-        "valid": _pairs(multi30k, "valid", 0, 40)}, vocab_size=500)
+    return multi30k_data(tmp_path_factory.mktemp("m30k") / "data", n_train=400, n_valid=40,
+                         vocab_size=500)
 
 
 def _cfg(**overrides) -> TrainConfig:
@@ -55,10 +48,6 @@ def _cfg(**overrides) -> TrainConfig:
                 log_interval=5, valid_interval=5, save_interval_minutes=0,
                 save_interval_updates=7, seed=4, precision="fp32", keep_last=50)
     return TrainConfig(**{**base, **overrides})
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
 def _cli_flags(cfg: TrainConfig) -> list[str]:
@@ -72,7 +61,7 @@ def _cli_flags(cfg: TrainConfig) -> list[str]:
 
 
 @pytest.mark.slow
-def test_patience_and_best_file_survive_kill_and_resume(m30k, tmp_path, one_thread):
+def test_patience_and_best_file_survive_kill_and_resume(m30k, tmp_path, one_thread, nmt_cli):
     """kill -9 at several moments (between a best-file write and the next checkpoint
     included), resume each time: the run stops at the same update with the same best
     model as one never killed."""
@@ -86,13 +75,11 @@ def test_patience_and_best_file_survive_kill_and_resume(m30k, tmp_path, one_thre
     assert again.stopped_early and again.step == whole.step
     assert load_checkpoint(tmp_path / "whole" / "checkpoint_last.pt")["step"] == whole.step
     run = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "cli.main", "train", str(m30k), "-o", str(run),
-           *_cli_flags(cfg)]
+    args = ["train", str(m30k), "-o", str(run), *_cli_flags(cfg)]
     kills = 0
     for wait in (0.5, 1.5, 3.0):
         with (tmp_path / "err.txt").open("w") as err:
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=_env(),
-                                    cwd=REPO)
+            proc = nmt_cli.popen(*args, stdout=subprocess.DEVNULL, stderr=err)
             deadline = time.monotonic() + 120
             while "valid at update" not in (tmp_path / "err.txt").read_text():
                 assert proc.poll() is None and time.monotonic() < deadline
@@ -103,10 +90,9 @@ def test_patience_and_best_file_survive_kill_and_resume(m30k, tmp_path, one_thre
                 kills += 1
             proc.wait()
     assert kills >= 1
-    final = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=REPO,
-                           timeout=600)
-    assert final.returncode == 0, final.stderr
-    assert "early stop" in final.stdout + final.stderr
+    final = nmt_cli.run(*args, timeout=600)
+    assert final.returncode == 0, final.err
+    assert "early stop" in final.out + final.err
     assert load_checkpoint(run / "checkpoint_last.pt")["step"] == whole.step
     again = load_checkpoint(run / "checkpoint_best.pt")
     assert again["step"] == best["step"] and again["meta"]["best"] == best["meta"]["best"]
@@ -150,13 +136,9 @@ def test_ema_resumes_exactly_and_is_what_translate_and_average_use(m30k, tmp_pat
     assert best["meta"]["best"]["ema"] is True
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True,
-                          text=True, env=_env(), cwd=REPO, timeout=600)
-
-
 @pytest.mark.slow
-def test_fine_tuning_starts_where_the_parent_ended(multi30k_dir, tmp_path, one_thread):
+def test_fine_tuning_starts_where_the_parent_ended(multi30k_dir, tmp_path, one_thread,
+                                                   nmt_cli):
     """Parent on the first half of (a slice of) Multi30k; child on the other half, encoded
     with the parent's vocabulary (--spm-from) and started with --init-from: its valid loss
     at update 0 is the parent's last one, far below a model trained from scratch."""
@@ -171,38 +153,39 @@ def test_fine_tuning_starts_where_the_parent_ended(multi30k_dir, tmp_path, one_t
         (child_data / f"{split}.tgt").write_text("".join(t + "\n" for _, t in pairs))
     cfg = _cfg(max_updates=80, valid_interval=40, save_interval_updates=40)
     flags = _cli_flags(cfg)
-    parent = _cli("train", str(parent_data), "-o", str(tmp_path / "parent"), *flags)
-    assert parent.returncode == 0, parent.stderr
+    parent = nmt_cli.run("train", str(parent_data), "-o", str(tmp_path / "parent"), *flags,
+                         timeout=600)
+    assert parent.returncode == 0, parent.err
     parent_valid = [r for r in read_jsonl(tmp_path / "parent" / "train_log.jsonl")
                     if r["kind"] == "valid"][-1]["valid_loss"]
     model = tmp_path / "parent" / "checkpoint_best.pt"
 
-    mismatch = _cli("train", str(parent_data), "-o", str(tmp_path / "wrong"),
-                    *[f if f != "tiny" else "small" for f in flags], "--init-from",
-                    str(model))
-    assert mismatch.returncode == 6, mismatch.stderr
-    lines = [x for x in mismatch.stderr.splitlines() if x.startswith("nmt train: error:")]
-    assert len(lines) == 1 and "another architecture" in lines[0], mismatch.stderr
-    assert "Traceback" not in mismatch.stderr
+    mismatch = nmt_cli.run("train", str(parent_data), "-o", str(tmp_path / "wrong"),
+                           *[f if f != "tiny" else "small" for f in flags], "--init-from",
+                           str(model), timeout=600)
+    assert mismatch.returncode == 6, mismatch.err
+    lines = [x for x in mismatch.err.splitlines() if x.startswith("nmt train: error:")]
+    assert len(lines) == 1 and "another architecture" in lines[0], mismatch.err
+    assert "Traceback" not in mismatch.err
 
     run_bpe(child_data, BpeConfig(vocab_size=600, sample=0, threads=1))  # its own vocab
-    other = _cli("train", str(child_data), "-o", str(tmp_path / "wrongvocab"), *flags,
-                 "--init-from", str(model))
-    assert other.returncode == 6 and "--spm-from" in other.stderr, other.stderr
+    other = nmt_cli.run("train", str(child_data), "-o", str(tmp_path / "wrongvocab"), *flags,
+                        "--init-from", str(model), timeout=600)
+    assert other.returncode == 6 and "--spm-from" in other.err, other.err
 
-    bpe = _cli("bpe", str(child_data), "--spm-from", str(model))
-    assert bpe.returncode == 0, bpe.stderr
-    child = _cli("train", str(child_data), "-o", str(tmp_path / "child"), *flags,
-                 "--init-from", str(model))
-    assert child.returncode == 0, child.stderr
-    assert "initialised from" in child.stderr
+    bpe = nmt_cli.run("bpe", str(child_data), "--spm-from", str(model), timeout=600)
+    assert bpe.returncode == 0, bpe.err
+    child = nmt_cli.run("train", str(child_data), "-o", str(tmp_path / "child"), *flags,
+                        "--init-from", str(model), timeout=600)
+    assert child.returncode == 0, child.err
+    assert "initialised from" in child.err
     records = [r for r in read_jsonl(tmp_path / "child" / "train_log.jsonl")
                if r["kind"] == "valid"]
     assert records[0]["step"] == 0
     assert records[0]["valid_loss"] == pytest.approx(parent_valid, rel=1e-5)
-    scratch = _cli("train", str(child_data), "-o", str(tmp_path / "scratch"), *flags,
-                   "--max-updates", "1", "--valid-interval", "1")
-    assert scratch.returncode == 0, scratch.stderr
+    scratch = nmt_cli.run("train", str(child_data), "-o", str(tmp_path / "scratch"), *flags,
+                          "--max-updates", "1", "--valid-interval", "1", timeout=600)
+    assert scratch.returncode == 0, scratch.err
     fresh = [r for r in read_jsonl(tmp_path / "scratch" / "train_log.jsonl")
              if r["kind"] == "valid"][0]["valid_loss"]
     assert records[0]["valid_loss"] < fresh - 1.0, (records[0]["valid_loss"], fresh)
@@ -263,7 +246,7 @@ def test_valid_bleu_decodes_as_translate_does(tmp_path, one_thread, monkeypatch)
     not greedy output: its BLEU and chrF equal those of translating valid.src with the
     model; --valid-beam 1 decodes greedily."""
     import sacrebleu
-    from test_train_fixtures import make_copy_data
+    from helpers.data import make_copy_data
 
     import nmt.inference.decoding as decoding
     from nmt.checkpoint import load_model

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import sacrebleu
 import torch
-from test_train_fixtures import make_copy_data
+from helpers.data import make_copy_data
 
 from nmt.checkpoint import load_model
 from nmt.config import TrainConfig, model_preset

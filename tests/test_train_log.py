@@ -8,7 +8,7 @@ import json
 import shutil
 
 import torch
-from test_train_fixtures import make_copy_data
+from helpers.data import make_copy_data
 
 from nmt.config import TrainConfig, model_preset
 from nmt.train.log import JsonlLog, read_jsonl

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from test_train_fixtures import make_copy_data
+from helpers.data import make_copy_data
 
 import nmt.train.loop as loop
 import nmt.train.step as step

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers.cli import NmtCli
 
 from nmt.config import ModelConfig, TrainConfig
 from nmt.data.recipes import load_recipe
@@ -143,13 +144,11 @@ def test_shipped_wmt_recipes_carry_the_papers_gpu_schedule(tmp_path: Path, recip
     ("--seed", "-1", "seed must be >= 0"),
 ])
 def test_negative_counts_and_sizes_are_usage_errors(tmp_path: Path, flag: str, value: str,
-                                                     message: str) -> None:
+                                                     message: str, nmt_cli: NmtCli) -> None:
     """`nmt train ... --max-updates -3` used to train nothing, save checkpoint_0.pt and
     exit 0: every count and size is checked before anything is written."""
-    from test_translate_util import cli_nmt
-
     run = tmp_path / "run"
-    result = cli_nmt("train", str(_data_dir(tmp_path, "")), "-o", str(run), flag, value)
+    result = nmt_cli.invoke("train", str(_data_dir(tmp_path, "")), "-o", str(run), flag, value)
     lines = result.stderr.decode().strip().splitlines()
     assert result.returncode == 2, result.stderr
     assert len(lines) == 1 and message in lines[0], lines
@@ -175,25 +174,21 @@ def test_runtime_config_refuses_unknown_choices(field: str, value: str) -> None:
         RuntimeConfig(**{field: value})
 
 
-def test_start_up_line_names_init_from_and_reset_optimizer(tmp_path: Path) -> None:
-    from test_translate_util import cli_nmt
-
+def test_start_up_line_names_init_from_and_reset_optimizer(tmp_path: Path, nmt_cli: NmtCli) -> None:
     init = tmp_path / "parent.pt"
-    result = cli_nmt("train", str(_data_dir(tmp_path, "")), "-o", str(tmp_path / "run"),
-                     "--init-from", str(init), "--reset-optimizer")
+    result = nmt_cli.invoke("train", str(_data_dir(tmp_path, "")), "-o", str(tmp_path / "run"),
+                            "--init-from", str(init), "--reset-optimizer")
     first = result.stderr.decode().splitlines()[0]
     assert first.startswith("nmt train: settings not at their defaults: "), first
     assert f"init_from={init} (flag)" in first and "reset_optimizer=True (flag)" in first
 
 
-def test_help_shows_no_value_type_for_flags_and_keeps_extras_names() -> None:
+def test_help_shows_no_value_type_for_flags_and_keeps_extras_names(nmt_cli: NmtCli) -> None:
     """Flags take no value, so no `<bool>` beside them; `nmt[plot]` is not eaten as markup."""
-    from test_translate_util import cli_nmt
-
-    top = cli_nmt("--help").stdout.decode()
+    top = nmt_cli.invoke("--help").stdout.decode()
     assert "--version" in top and "<bool>" not in top
     assert "nmt[plot]" in top and "nmt[ct2]" in top
     for command in ("train", "translate", "score", "prep"):
-        text = cli_nmt(command, "--help").stdout.decode()
+        text = nmt_cli.invoke(command, "--help").stdout.decode()
         assert "<bool>" not in text, command
         assert "<int>" in text or "<float>" in text or "<path>" in text, command

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from test_model import VOCAB, make_model, random_batch
+from helpers.models import VOCAB, make_model, random_batch
 
 from nmt.data.batching import Batch
 from nmt.data.vocab import BOS_ID, EOS_ID, PAD_ID

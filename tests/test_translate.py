@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -11,14 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_translate_util import (
-    NMT,
-    REPO,
-    cli_nmt,
-    make_checkpoint,
-    make_vocab,
-    run_nmt,
-)
+from conftest import REPO
+from helpers.checkpoints import make_checkpoint, make_vocab
+from helpers.cli import NmtCli
 
 from nmt.config import DecodeConfig
 from nmt.inference.translate import Translator, read_lines, source_batches, translate_stream
@@ -59,10 +53,10 @@ def alone(ckpt: Path, lines: list[str], **cfg: object) -> list[str]:
     return out
 
 
-def test_empty_invalid_long_and_unterminated_lines(ckpt: Path) -> None:
+def test_empty_invalid_long_and_unterminated_lines(ckpt: Path, nmt_cli: NmtCli) -> None:
     lines = [b"", b"A dog runs on the beach.", b"bad \xff\xfe bytes", b"word " * 2000, b"",
              b"carriage\rreturn", b"no final newline"]
-    result = run_nmt("translate", "-m", str(ckpt), *FAST, input=b"\n".join(lines))
+    result = nmt_cli.run("translate", "-m", str(ckpt), *FAST, input=b"\n".join(lines))
     assert result.returncode == 0, result.stderr.decode()
     out = result.stdout.decode("utf-8").split("\n")
     assert out[-1] == "" and len(out) - 1 == len(lines)  # one line per line, final newline
@@ -73,9 +67,9 @@ def test_empty_invalid_long_and_unterminated_lines(ckpt: Path) -> None:
     assert stderr.count("\n") == 1  # one warning line, nothing else
 
 
-def test_errors_strict_names_the_line(ckpt: Path) -> None:
-    result = cli_nmt("translate", "-m", str(ckpt), *FAST, "--errors", "strict",
-                     input=b"fine\nalso fine\nbad \xc3\x28 here\n")
+def test_errors_strict_names_the_line(ckpt: Path, nmt_cli: NmtCli) -> None:
+    result = nmt_cli.invoke("translate", "-m", str(ckpt), *FAST, "--errors", "strict",
+                            input=b"fine\nalso fine\nbad \xc3\x28 here\n")
     assert result.returncode == 3
     assert b"line 3: invalid UTF-8" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
@@ -83,17 +77,15 @@ def test_errors_strict_names_the_line(ckpt: Path) -> None:
 
 @pytest.mark.slow
 def test_5000_lines_through_a_pipe_keep_count_and_order(ckpt: Path, test_lines: list[str],
-                                                        tmp_path: Path) -> None:
+                                                        tmp_path: Path, nmt_cli: NmtCli) -> None:
     lines = [(test_lines[i % len(test_lines)] if i % 97 else "") for i in range(5000)]
     src = tmp_path / "src.en"
     src.write_text("\n".join(lines) + "\n", encoding="utf-8")
     with src.open("rb") as stdin:  # a real pipe: cat src | nmt translate
         cat = subprocess.Popen(["cat"], stdin=stdin, stdout=subprocess.PIPE)
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        proc = subprocess.run([*NMT, "translate", "-m", str(ckpt), *FAST, *FP32, "--buffer-size",
-                               "700", "--max-tokens", "600", "--stats"], stdin=cat.stdout,
-                              capture_output=True, cwd=REPO, env=env, timeout=600,
-                              check=False)
+        proc = nmt_cli.run("translate", "-m", str(ckpt), *FAST, *FP32, "--buffer-size",
+                           "700", "--max-tokens", "600", "--stats", stdin=cat.stdout,
+                           timeout=600)
         cat.wait()
     assert proc.returncode == 0, proc.stderr.decode()
     out = proc.stdout.decode("utf-8").split("\n")[:-1]
@@ -107,12 +99,13 @@ def test_5000_lines_through_a_pipe_keep_count_and_order(ckpt: Path, test_lines: 
 
 
 def test_output_file_input_file_nbest_and_ensemble(ckpt: Path, test_lines: list[str],
-                                                   tmp_path: Path) -> None:
+                                                   tmp_path: Path, nmt_cli: NmtCli) -> None:
     src = tmp_path / "in.en"
     src.write_text("\n".join(test_lines[:6]) + "\n\n", encoding="utf-8")
     out = tmp_path / "out.de"
-    result = cli_nmt("translate", "-m", str(ckpt), "-m", str(ckpt), "-i", str(src),
-                     "-o", str(out), "--beam", "3", "--nbest", "2", "--max-len-b", "6", *FP32)
+    result = nmt_cli.invoke("translate", "-m", str(ckpt), "-m", str(ckpt), "-i", str(src),
+                            "-o", str(out), "--beam", "3", "--nbest", "2", "--max-len-b", "6",
+                            *FP32)
     assert result.returncode == 0, result.stderr.decode()
     rows = [line.split("\t") for line in out.read_text(encoding="utf-8").split("\n")[:-1]]
     assert len(rows) == 7 * 2
@@ -126,13 +119,13 @@ def test_output_file_input_file_nbest_and_ensemble(ckpt: Path, test_lines: list[
 
 
 @pytest.mark.isa
-def test_default_precision_is_auto(ckpt: Path, test_lines: list[str]) -> None:
+def test_default_precision_is_auto(ckpt: Path, test_lines: list[str], nmt_cli: NmtCli) -> None:
     """`nmt translate` decodes at --precision auto unless told otherwise: its output equals
     the explicit `--precision auto` one, and auto loads the weights in the dtype the
     device's policy picks (bf16 on a CPU with native bf16, else fp32)."""
     source = ("\n".join(test_lines[:8]) + "\n").encode()
-    default = cli_nmt("translate", "-m", str(ckpt), *FAST, input=source)
-    auto = cli_nmt("translate", "-m", str(ckpt), *FAST, "--precision", "auto", input=source)
+    default = nmt_cli.invoke("translate", "-m", str(ckpt), *FAST, input=source)
+    auto = nmt_cli.invoke("translate", "-m", str(ckpt), *FAST, "--precision", "auto", input=source)
     assert default.returncode == 0 and auto.returncode == 0, default.stderr.decode()
     assert default.stdout == auto.stdout and default.stdout.count(b"\n") == 8
     translator = Translator.load([ckpt], DecodeConfig(beam=2), device="cpu", precision="auto")
@@ -141,19 +134,18 @@ def test_default_precision_is_auto(ckpt: Path, test_lines: list[str]) -> None:
     assert all(p.dtype == expected for p in translator.models[0].parameters())
 
 
-def test_sampling_is_seeded(ckpt: Path) -> None:
+def test_sampling_is_seeded(ckpt: Path, nmt_cli: NmtCli) -> None:
     args = ("translate", "-m", str(ckpt), "--sampling", "--max-len-b", "8", "--seed", "3")
-    one = cli_nmt(*args, input=b"a man\na woman\n")
-    two = cli_nmt(*args, input=b"a man\na woman\n")
+    one = nmt_cli.invoke(*args, input=b"a man\na woman\n")
+    two = nmt_cli.invoke(*args, input=b"a man\na woman\n")
     assert one.returncode == 0, one.stderr.decode()
     assert one.stdout == two.stdout and one.stdout.count(b"\n") == 2
 
 
-def test_head_closes_pipe_quietly(ckpt: Path, test_lines: list[str]) -> None:
+def test_head_closes_pipe_quietly(ckpt: Path, test_lines: list[str], nmt_cli: NmtCli) -> None:
     data = ("\n".join(test_lines[:300]) + "\n").encode()
-    proc = subprocess.Popen([*NMT, "translate", "-m", str(ckpt), *FAST, "--buffer-size", "10"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, cwd=REPO)
+    proc = nmt_cli.popen("translate", "-m", str(ckpt), *FAST, "--buffer-size", "10",
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdin.write(data)
     proc.stdin.close()
     proc.stdout.readline()  # `| head -1`
@@ -162,10 +154,9 @@ def test_head_closes_pipe_quietly(ckpt: Path, test_lines: list[str]) -> None:
     assert proc.stderr.read() == b""
 
 
-def test_ctrl_c_ends_quietly(ckpt: Path) -> None:
-    proc = subprocess.Popen([*NMT, "translate", "-m", str(ckpt), *FAST, "--buffer-size", "1"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, cwd=REPO)
+def test_ctrl_c_ends_quietly(ckpt: Path, nmt_cli: NmtCli) -> None:
+    proc = nmt_cli.popen("translate", "-m", str(ckpt), *FAST, "--buffer-size", "1",
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdin.write(b"a dog\n")
     proc.stdin.flush()
     assert proc.stdout.readline() != b""  # it is up and streaming (buffer of one line)
@@ -192,15 +183,15 @@ def test_stream_in_process_and_helpers(ckpt: Path) -> None:
     assert len(warnings) == 1 and "line 1:" in warnings[0]
 
 
-def test_bad_flags_and_missing_model(ckpt: Path, tmp_path: Path) -> None:
-    result = cli_nmt("translate", "-m", str(tmp_path / "none.pt"), input=b"x\n")
+def test_bad_flags_and_missing_model(ckpt: Path, tmp_path: Path, nmt_cli: NmtCli) -> None:
+    result = nmt_cli.invoke("translate", "-m", str(tmp_path / "none.pt"), input=b"x\n")
     assert result.returncode == 3 and b"no such checkpoint" in result.stderr
-    result = cli_nmt("translate", "-m", str(ckpt), "--nbest", "5", input=b"x\n")
+    result = nmt_cli.invoke("translate", "-m", str(ckpt), "--nbest", "5", input=b"x\n")
     assert result.returncode == 2 and b"--nbest 5 exceeds --beam 4" in result.stderr
-    result = cli_nmt("translate", "-m", str(ckpt), "--max-src-len", "100000", input=b"x\n")
+    result = nmt_cli.invoke("translate", "-m", str(ckpt), "--max-src-len", "100000", input=b"x\n")
     assert result.returncode == 2
     if not torch.cuda.is_available():
-        result = cli_nmt("translate", "-m", str(ckpt), "--device", "cuda", input=b"x\n")
+        result = nmt_cli.invoke("translate", "-m", str(ckpt), "--device", "cuda", input=b"x\n")
         assert result.returncode == 2 and b"no CUDA device" in result.stderr
 
 

@@ -1,4 +1,5 @@
-"""Helpers for translate/average tests: a tiny, random-init but real checkpoint.
+"""Checkpoints for the translate/average/export tests: a tiny, random-init but real one,
+and a pickle that runs code when loaded (what a hostile checkpoint ships).
 
 The vocabulary is a real sentencepiece BPE model trained on the first Multi30k training
 lines; the model is `Transformer(tiny)` with a fixed seed, saved with save_checkpoint and
@@ -8,8 +9,6 @@ the standard payload keys, so it loads through the same path as a trained model.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -18,10 +17,6 @@ from nmt.checkpoint import model_payload, save_checkpoint
 from nmt.config import model_preset
 from nmt.data.vocab import train_vocab
 from nmt.model.transformer import Transformer
-
-REPO = Path(__file__).resolve().parents[1]
-NMT = [sys.executable, "-m", "cli.main"]
-
 
 
 def make_vocab(multi30k: Path, workdir: Path, lines: int = 1500, size: int = 600) -> Path:
@@ -59,22 +54,11 @@ def make_checkpoint(spm_model: Path, path: Path, seed: int = 0, step: int = 100,
     return path
 
 
-def cli_nmt(*args: str, input: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
-    """Run the CLI in process (fast: no interpreter start); same result shape as run_nmt."""
-    from typer.testing import CliRunner
+class RunsCode:
+    """Unpickling this calls os.system(command): what an attacker would ship."""
 
-    from cli.main import app
+    def __init__(self, command: str) -> None:
+        self.command = command
 
-    result = CliRunner().invoke(app, list(args), input=input)
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return subprocess.CompletedProcess(list(args), result.exit_code, result.stdout_bytes,
-                                       result.stderr_bytes)
-
-
-def run_nmt(*args: str, input: bytes | None = None, timeout: float = 300,
-            ) -> subprocess.CompletedProcess[bytes]:
-    """Run the real CLI in a subprocess (real pipes, real stdin/stdout bytes)."""
-    env = dict(os.environ, PYTHONIOENCODING="utf-8", OMP_NUM_THREADS="1")
-    return subprocess.run([*NMT, *args], input=input, capture_output=True, cwd=REPO,
-                          env=env, timeout=timeout, check=False)
+    def __reduce__(self) -> tuple:
+        return (os.system, (self.command,))
