@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import NoReturn
 
 import typer
@@ -87,3 +88,19 @@ def _exit_interrupted(command: str) -> None:
 def not_built(command: str, issue: str) -> NoReturn:
     """Refuse clearly for a command that is not implemented yet (exit 2)."""
     fail(command, f"not built yet (tracked in {issue}); nothing was done", 2)
+
+
+def model_files(command: str, paths: list[Path]) -> list[Path]:
+    """The checkpoint files `-m` names: a run directory becomes its average.pt, else
+    checkpoint_best.pt, else checkpoint_last.pt (nmt.checkpoint.resolve_model_path), and
+    the choice is said on stderr."""
+    from nmt.checkpoint import resolve_model_path
+
+    files = []
+    for path in paths:
+        file, resolved = resolve_model_path(path)
+        if resolved:
+            console.print(f"nmt {command}: -m {path}: using {file}", markup=False,
+                          soft_wrap=True)
+        files.append(file)
+    return files

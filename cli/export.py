@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from cli.common import console, handle_errors
+from cli.common import console, handle_errors, model_files
 
 app = typer.Typer(help="Export a checkpoint for another inference engine.",
                   no_args_is_help=True, add_completion=False)
@@ -18,7 +18,8 @@ app = typer.Typer(help="Export a checkpoint for another inference engine.",
              "unloadable checkpoint or failed conversion.")
 def ct2(
     model: Path = typer.Option(..., "--model", "-m", help="Checkpoint (from train or "
-                               "average)."),
+                               "average), or a run directory (its average.pt, else "
+                               "checkpoint_best.pt, else checkpoint_last.pt)."),
     output: Path = typer.Option(..., "--output", "-o", help="CTranslate2 model directory "
                                 "to write (written under a temporary name, then renamed)."),
     quantization: str = typer.Option("float32", "--quantization", "-q", show_default=True,
@@ -34,6 +35,7 @@ def ct2(
     with handle_errors("export ct2"):
         from nmt.inference.export_ct2 import export_ct2  # torch: load lazily
 
-        export_ct2(model, output, quantization=quantization, force=force)
+        export_ct2(model_files("export ct2", [model])[0], output, quantization=quantization,
+                   force=force)
         console.print(f"nmt export ct2: wrote {output} ({quantization}); usage in "
                       f"{output / 'README.md'}", markup=False, soft_wrap=True)

@@ -1,4 +1,4 @@
-"""The Typer app: `nmt prep|bpe|train|average|translate|score|plot|export`."""
+"""The Typer app: `nmt prep|bpe|train|average|translate|score|plot|serve|export`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from cli import average, bpe, export, plot, prep, score, train, translate
+from cli import average, bpe, export, plot, prep, score, serve, train, translate
 from nmt import __version__
 
 
@@ -48,6 +48,8 @@ app.command("score", help="Score hypotheses against references (sacreBLEU, paper
     score.command)
 app.command("plot", help="Plot a run's training curves as a PNG (needs "
             "nmt\\[plot]).")(plot.command)
+app.command("serve", help="Serve models over HTTP: LibreTranslate's API and a native one "
+            "(needs nmt\\[serve]).")(serve.command)
 app.add_typer(export.app, name="export", help="Export a checkpoint for CTranslate2 (needs "
               "nmt\\[ct2]).")
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 import typer
 
-from cli.common import console, handle_errors, interrupt_surely, warn
+from cli.common import console, handle_errors, interrupt_surely, model_files, warn
 from nmt.config import DecodeConfig, RuntimeConfig
 from nmt.errors import DataError
 from nmt.fileio import atomic_write_bytes
@@ -23,8 +23,9 @@ _R = RuntimeConfig()
 
 def command(
     models: list[Path] = typer.Option(..., "--model", "-m", help="Checkpoint (from train "
-                                      "or average); repeat for an ensemble (probabilities "
-                                      "averaged)."),
+                                      "or average) or a run directory (its average.pt, else "
+                                      "checkpoint_best.pt, else checkpoint_last.pt); repeat "
+                                      "for an ensemble (probabilities averaged)."),
     input_path: Path = typer.Option(None, "--input", "-i", show_default="stdin",
                                     help="Source text, one segment a line."),
     output: Path = typer.Option(None, "--output", "-o", show_default="stdout",
@@ -81,6 +82,11 @@ def command(
     stats: bool = typer.Option(False, "--stats", show_default=True,
                                help="Print sentences/s and target tokens/s on stderr."),
     seed: int = typer.Option(_R.seed, "--seed", show_default=True, help="Seed for --sampling."),
+    prefix_file: Path = typer.Option(None, "--prefix-file", show_default="off",
+                                     help="One target prefix per input line (an empty line: "
+                                     "none): each output starts with its prefix, the model "
+                                     "continuing from it (teacher-forced, counted in the "
+                                     "score). Must have as many lines as the input."),
     attention: Path = typer.Option(None, "--attention", show_default="off",
                                    help="Write DIR/NNNNNN.png per non-empty input line "
                                    "(1-based line number): a heatmap of the encoder-decoder "
@@ -105,8 +111,9 @@ def command(
                            min_len=min_len, nbest=nbest, sampling=sampling,
                            temperature=temperature, top_k=top_k, top_p=top_p,
                            max_tokens=max_tokens, buffer_size=buffer_size)
-        translator = Translator.load(models, cfg, device=device, precision=precision,
-                                     max_src_len=max_src_len, seed=seed, weights=weights)
+        translator = Translator.load(model_files("translate", models), cfg, device=device,
+                                     precision=precision, max_src_len=max_src_len, seed=seed,
+                                     weights=weights)
         # bf16/fp16 on a CPU that only emulates it: named, with its measured cost
         note = emulation_note(precision, translator.device, training=False)
         if note:
@@ -120,15 +127,20 @@ def command(
         interactive = input_path is None and sys.stdin.isatty()
         name = str(input_path) if input_path is not None else "<stdin>"
 
-        def run(source: BinaryIO, sink: BinaryIO) -> TranslateStats:
-            return translate_stream(source, sink, translator, interactive=interactive,
-                                    errors=errors, source_name=name,
-                                    warn=lambda msg: warn("translate", msg),
-                                    observe=observe)
-
         results: list[TranslateStats] = []
         try:
             with contextlib.ExitStack() as stack:
+                prefixes = (stack.enter_context(open(prefix_file, "rb")) if prefix_file
+                            else None)
+
+                def run(source: BinaryIO, sink: BinaryIO) -> TranslateStats:
+                    return translate_stream(source, sink, translator,
+                                            interactive=interactive, errors=errors,
+                                            source_name=name,
+                                            warn=lambda msg: warn("translate", msg),
+                                            observe=observe, prefix_source=prefixes,
+                                            prefix_name=str(prefix_file))
+
                 source = (stack.enter_context(open(input_path, "rb")) if input_path
                           else sys.stdin.buffer)
                 if output is None:

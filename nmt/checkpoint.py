@@ -94,6 +94,26 @@ def save_checkpoint(payload: dict[str, Any], path: Path) -> None:
                               "is intact") from err
 
 
+# What `-m RUN_DIR` means, in order of preference: the averaged model `nmt average` writes
+# (the paper's final model), else the best validated checkpoint, else the latest one.
+RUN_MODEL_FILES: tuple[str, ...] = ("average.pt", "checkpoint_best.pt", "checkpoint_last.pt")
+
+
+def resolve_model_path(path: Path) -> tuple[Path, bool]:
+    """The checkpoint file `path` names: itself when it is a file, or, for a run directory,
+    its first RUN_MODEL_FILES entry that exists. Returns (file, whether a directory was
+    resolved) so a caller can say which file it chose; DataError when a directory holds
+    none of them."""
+    path = Path(path)
+    if not path.is_dir():
+        return path, False
+    for name in RUN_MODEL_FILES:
+        if (path / name).is_file():
+            return path / name, True
+    raise DataError(f"{path}: a directory with no model in it (looked for "
+                    f"{', '.join(RUN_MODEL_FILES)}); pass a checkpoint file or a run directory")
+
+
 def load_checkpoint(path: Path, map_location: str | torch.device = "cpu",
                     mmap: bool = False) -> dict[str, Any]:
     """Load a checkpoint safely (weights_only) and check its format and keys.

@@ -30,7 +30,7 @@ SEARCH_MAY_IMPORT = {"torch", "nmt.special_ids"}
 NETWORK_MAY_IMPORT = {"nmt.config", "nmt.errors"}  # besides torch and nmt.model itself
 CACHE_OWNERS = {"nmt.inference.decoding"}  # the only importers of the caches
 CACHES = {"nmt.inference.kv_cache", "nmt.inference.plain_cache"}
-PACKAGES = ("nmt.data", "nmt.model", "nmt.inference", "nmt.train")
+PACKAGES = ("nmt.data", "nmt.model", "nmt.inference", "nmt.train", "nmt.api", "nmt.serve")
 # What each layer may import besides the standard library, torch and the other packages:
 # "shared" is every top-level module of nmt (config, checkpoint, errors, ...).
 MAY_IMPORT = {
@@ -39,9 +39,12 @@ MAY_IMPORT = {
     "nmt.model": {"nmt.model"},  # and NETWORK_MAY_IMPORT, checked on its own
     "nmt.inference": {"shared", "nmt.data", "nmt.model", "nmt.inference"},
     "nmt.train": {"shared", "nmt.data", "nmt.model", "nmt.inference", "nmt.train"},
+    "nmt.api": {"shared", "nmt.data", "nmt.model", "nmt.inference"},
+    "nmt.serve": {"shared", "nmt.data", "nmt.model", "nmt.inference", "nmt.api", "nmt.serve"},
 }
 # The shared module that builds a model from its file, and what it reaches for.
-REACHES_UP = {"nmt.checkpoint": {"nmt.model.transformer", "nmt.data.vocab"}}
+REACHES_UP = {"nmt.checkpoint": {"nmt.model.transformer", "nmt.data.vocab"},
+              "nmt": {"nmt.api"}}  # the package's lazy `from nmt import Translator`
 
 
 def module_name(path: Path) -> str:

@@ -249,6 +249,20 @@ def epoch_shares(ranges: list[CorpusRange]) -> list[float]:
     return [float(r.weight or 0.0) / weight_sum for r in ranges]
 
 
+def language_pair(data_dir: Path) -> tuple[str, str]:
+    """(source, target) language codes `nmt prep` recorded in DATA/manifest.json, ("", "")
+    when there is no manifest or it names none; checkpoints carry them so that a server
+    can route requests by language pair."""
+    path = data_dir / MANIFEST_FILE
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "", ""
+    if not isinstance(manifest, dict):
+        return "", ""
+    return str(manifest.get("src_lang") or ""), str(manifest.get("tgt_lang") or "")
+
+
 def _manifest_train(data_dir: Path) -> dict[str, Any] | None:
     """DATA/manifest.json's `splits.train` entry (None without a manifest)."""
     path = data_dir / MANIFEST_FILE

@@ -160,8 +160,33 @@ def _restrict(log_probs: Tensor, at_max: Tensor | None, ban_eos: bool = False) -
     return log_probs
 
 
+def _force(log_probs: Tensor, forced: Tensor) -> Tensor:
+    """Target prefixes: on rows whose `forced` (N,) token is not PAD, every token but that
+    one gets -inf (its own log-prob is kept, so it counts in the score); PAD rows are free.
+    log_probs (N, V), modified in place and returned. One host sync."""
+    rows = (forced != PAD_ID).nonzero().squeeze(1)  # (k,)
+    if rows.numel():
+        tokens = forced.index_select(0, rows)  # (k,)
+        kept = log_probs[rows, tokens]  # (k,) a copy
+        log_probs.index_fill_(0, rows, NEG_INF)
+        log_probs[rows, tokens] = kept
+    return log_probs
+
+
+def prefix_tensor(prefixes: Sequence[Sequence[int]] | None, device: torch.device
+                  ) -> Tensor | None:
+    """(B, P) PAD-padded piece ids of per-sentence target prefixes, or None when no
+    sentence has one."""
+    if not prefixes or not any(prefixes):
+        return None
+    out = torch.full((len(prefixes), max(map(len, prefixes))), PAD_ID, dtype=torch.long)
+    for i, ids in enumerate(prefixes):
+        out[i, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
+    return out.to(device)
+
+
 def beam_search(decoder: StepDecoder, max_lens: Tensor, *, beam: int, alpha: float,
-                nbest: int, min_len: int) -> list[list[Hypothesis]]:
+                nbest: int, min_len: int, prefix: Tensor | None = None) -> list[list[Hypothesis]]:
     """Batched beam search over B sentences x `beam`; returns up to `nbest` per sentence.
 
     `decoder` holds B rows on entry (one per sentence); it is expanded to B * beam here.
@@ -172,6 +197,9 @@ def beam_search(decoder: StepDecoder, max_lens: Tensor, *, beam: int, alpha: flo
     only falls and lp only rises), or at its maximum length. Finished sentences leave the
     batch. If nothing finished (all EOS scores -inf) the best alive hypothesis is returned.
     EOS is forbidden before `min_len` pieces (unless a sentence's maximum is lower).
+    `prefix` (B, P), PAD-padded piece ids: each sentence's output starts with its prefix
+    (teacher-forced, its log-probs counted in the score; see `prefix_tensor`); a sentence's
+    `max_lens` must leave room for it.
     """
     if beam < 1 or nbest < 1 or nbest > beam:
         raise ValueError(f"need 1 <= nbest ({nbest}) <= beam ({beam})")
@@ -182,7 +210,7 @@ def beam_search(decoder: StepDecoder, max_lens: Tensor, *, beam: int, alpha: flo
     _reserve(decoder, width)
     # The decoder keeps one row per sentence for step 0 (all beams hold the same BOS
     # prefix, so it is computed once) and is expanded to B * beam by step 0's reorder.
-    beams = _Beams.start(max_lens, beam, nbest, width)
+    beams = _Beams.start(max_lens, beam, nbest, width, prefix)
     out = _Finished.empty(n_sent, nbest, width, max_lens.device)
     for t in range(width - 1):
         cand = _best_candidates(beams.next_log_probs(decoder, t, min_len), beams.scores)
@@ -244,11 +272,13 @@ class _Beams:
     lens_host: set[int]  # budgets of the rows still in the batch, on the host
     slots: Tensor  # (beam,) arange
     n_groups: int  # sentence groups the decoder holds, dead ones included
+    prefix: Tensor | None = None  # (sentences, P) forced first pieces, PAD = free
     group: Tensor | None = None  # (rows,) decoder group of each row; None: row i is group i
     live: Tensor | None = None  # (rows * beam,) decoder rows fed this step (when grouped)
 
     @classmethod
-    def start(cls, max_lens: Tensor, beam: int, nbest: int, width: int) -> _Beams:
+    def start(cls, max_lens: Tensor, beam: int, nbest: int, width: int,
+              prefix: Tensor | None = None) -> _Beams:
         """Every sentence at BOS, only its first beam alive (all beams are identical)."""
         device, n_sent = max_lens.device, max_lens.numel()
         tokens = torch.full((n_sent, beam, width), PAD_ID, dtype=torch.long, device=device)
@@ -258,7 +288,7 @@ class _Beams:
         return cls(beam, tokens, scores, _Finished.empty(n_sent, nbest, width, device),
                    _Finished.empty(n_sent, 1, width, device),
                    torch.arange(n_sent, device=device), max_lens.clone(),
-                   set(max_lens.tolist()), torch.arange(beam, device=device), n_sent)
+                   set(max_lens.tolist()), torch.arange(beam, device=device), n_sent, prefix)
 
     def next_log_probs(self, decoder: StepDecoder, t: int, min_len: int) -> Tensor:
         """Feed step t's tokens; the restricted log-probs (rows, beam, V) of the next."""
@@ -275,7 +305,11 @@ class _Beams:
         vocab = log_probs.size(-1)
         at_max = ((self.lens == t).repeat_interleave(beam) if t in self.lens_host
                   else None)  # (rows * beam,)
-        return _restrict(log_probs, at_max, t < min_len).view(n_rows, beam, vocab)
+        log_probs = _restrict(log_probs, at_max, t < min_len)  # (rows * beam, V)
+        if self.prefix is not None and t < self.prefix.size(1):
+            forced = self.prefix[self.active, t].repeat_interleave(beam)  # (rows * beam,)
+            log_probs = _force(log_probs, forced)
+        return log_probs.view(n_rows, beam, vocab)
 
     def finish(self, cand: _Candidates, t: int, alpha: float) -> None:
         """Finish the EOS candidates ranked within the top `beam` (|Y| = t pieces + EOS)."""
@@ -442,18 +476,20 @@ def _cut(ids: list[int]) -> list[int]:
     return out
 
 
-def greedy_decode(decoder: StepDecoder, max_lens: Tensor, *, alpha: float, min_len: int
-                  ) -> list[Hypothesis]:
+def greedy_decode(decoder: StepDecoder, max_lens: Tensor, *, alpha: float, min_len: int,
+                  prefix: Tensor | None = None) -> list[Hypothesis]:
     """Pick the most probable token at each step until EOS or the maximum length; `alpha`
-    only normalises the reported scores."""
-    return _sample_like(decoder, max_lens, alpha, lambda lp: lp.argmax(dim=-1), min_len)
+    only normalises the reported scores; `prefix` as for `beam_search`."""
+    return _sample_like(decoder, max_lens, alpha, lambda lp: lp.argmax(dim=-1), min_len,
+                        prefix)
 
 
 def sample_decode(decoder: StepDecoder, max_lens: Tensor, *, temperature: float, top_k: int,
                   top_p: float, alpha: float, min_len: int,
-                  generator: torch.Generator | None = None) -> list[Hypothesis]:
+                  generator: torch.Generator | None = None, prefix: Tensor | None = None
+                  ) -> list[Hypothesis]:
     """Sample each token from the temperature-scaled, top-k / top-p filtered distribution
-    (`generator` None: torch's global one).
+    (`generator` None: torch's global one); `prefix` (rows, P) as for `beam_search`.
 
     The reported log-prob is the model's own (unscaled, unfiltered) one.
     """
@@ -463,7 +499,7 @@ def sample_decode(decoder: StepDecoder, max_lens: Tensor, *, temperature: float,
         probs = torch.softmax(filtered, dim=-1)  # (N, V)
         return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
-    return _sample_like(decoder, max_lens, alpha, choose, min_len)
+    return _sample_like(decoder, max_lens, alpha, choose, min_len, prefix)
 
 
 def filter_log_probs(log_probs: Tensor, top_k: int, top_p: float) -> Tensor:
@@ -486,7 +522,8 @@ def filter_log_probs(log_probs: Tensor, top_k: int, top_p: float) -> Tensor:
 
 
 def _sample_like(decoder: StepDecoder, max_lens: Tensor, alpha: float,
-                 choose: Callable[[Tensor], Tensor], min_len: int) -> list[Hypothesis]:
+                 choose: Callable[[Tensor], Tensor], min_len: int,
+                 prefix: Tensor | None = None) -> list[Hypothesis]:
     """Shared loop of greedy and sampling: one token per row per step, no beam."""
     device = max_lens.device
     rows = max_lens.numel()
@@ -501,6 +538,8 @@ def _sample_like(decoder: StepDecoder, max_lens: Tensor, alpha: float,
     for t in range(width):
         at_max = (max_lens == t) if t in budgets else None
         log_probs = _restrict(decoder.step(last), at_max, t < min_len)  # (rows, V)
+        if prefix is not None and t < prefix.size(1):
+            log_probs = _force(log_probs, prefix[:, t])
         chosen = choose(log_probs)  # (rows,)
         step_lp = log_probs.gather(1, chosen.unsqueeze(1)).squeeze(1)
         chosen = chosen.masked_fill(finished, EOS_ID)

@@ -37,6 +37,7 @@ from nmt.inference.search import (
     Hypothesis,
     beam_search,
     max_output_lengths,
+    prefix_tensor,
     sample_decode,
 )
 from nmt.precision import resolve_precision
@@ -71,10 +72,15 @@ class Translator:
 
     def __init__(self, models: Sequence[torch.nn.Module], vocab: Vocab, cfg: DecodeConfig,
                  device: torch.device, max_src_len: int | None = None, seed: int = 1,
-                 projections: Sequence[torch.nn.Module | None] | None = None) -> None:
+                 projections: Sequence[torch.nn.Module | None] | None = None,
+                 precision: str | None = None) -> None:
         """`projections`: per model, a replacement for its vocabulary projection (int8
-        models' int8 one), None for the default."""
+        models' int8 one), None for the default; `precision` the resolved one the models
+        were cast to (reported, not applied here; None: named after their dtype)."""
         self.models = list(models)
+        dtype = next(self.models[0].parameters()).dtype
+        self.precision = precision or next(
+            (name for name, d in _DTYPES.items() if d == dtype), str(dtype))
         self.vocab = vocab
         self.cfg = cfg
         self.device = device
@@ -123,10 +129,14 @@ class Translator:
             models.append(model)
             projections.append(projection)
         assert vocab is not None
-        return cls(models, vocab, cfg, dev, max_src_len, seed, projections)
+        return cls(models, vocab, cfg, dev, max_src_len, seed, projections, precision)
 
-    def translate_ids(self, sources: Sequence[Sequence[int]]) -> list[list[Hypothesis]]:
-        """Search for each source (piece ids without EOS); one list of hypotheses each."""
+    def translate_ids(self, sources: Sequence[Sequence[int]],
+                      prefixes: Sequence[Sequence[int]] | None = None
+                      ) -> list[list[Hypothesis]]:
+        """Search for each source (piece ids without EOS); one list of hypotheses each.
+        `prefixes`, one per source (empty: none), are piece ids each output must start
+        with (teacher-forced, counted in the scores); the length limit grows to fit them."""
         width = max(len(s) for s in sources) + 1
         src = torch.full((len(sources), width), PAD_ID, dtype=torch.long)
         for row, ids in enumerate(sources):
@@ -134,19 +144,27 @@ class Translator:
             src[row, len(ids)] = EOS_ID
         src = src.to(self.device)  # (batch, src_len)
         cfg = self.cfg
-        max_lens = max_output_lengths(src, cfg.max_len_a, cfg.max_len_b,
-                                      cap=self.max_positions - 1)
+        cap = self.max_positions - 1
+        max_lens = max_output_lengths(src, cfg.max_len_a, cfg.max_len_b, cap=cap)
+        prefix = prefix_tensor(prefixes, self.device)  # (batch, P) or None
+        if prefix is not None:
+            if prefix.size(1) > cap:
+                raise UsageError(f"a target prefix of {prefix.size(1)} pieces leaves no room "
+                                 f"in the model's {cap} output positions; shorten it")
+            room = (prefix != PAD_ID).sum(dim=1)  # (batch,) prefix lengths
+            max_lens = torch.maximum(max_lens, room)
         with torch.inference_mode(), ExitStack() as members:  # closing them pools memory
             decoder = EnsembleStepDecoder([members.enter_context(w.decoder(src))
                                            for w in self.workspaces])
             if not cfg.sampling:
                 return beam_search(decoder, max_lens, beam=cfg.beam, alpha=cfg.alpha,
-                                   nbest=cfg.nbest, min_len=cfg.min_len)
+                                   nbest=cfg.nbest, min_len=cfg.min_len, prefix=prefix)
             rows = torch.arange(len(sources), device=self.device).repeat_interleave(cfg.nbest)
             decoder.reorder(rows)  # (batch * nbest,): independent samples
             flat = sample_decode(decoder, max_lens[rows], temperature=cfg.temperature,
                                  top_k=cfg.top_k, top_p=cfg.top_p, alpha=cfg.alpha,
-                                 min_len=cfg.min_len, generator=self.generator)
+                                 min_len=cfg.min_len, generator=self.generator,
+                                 prefix=None if prefix is None else prefix[rows])
         return [sorted(flat[i * cfg.nbest:(i + 1) * cfg.nbest], key=lambda h: -h.score)
                 for i in range(len(sources))]
 
@@ -192,9 +210,13 @@ def translate_stream(source: BinaryIO, sink: BinaryIO, translator: Translator, *
                      buffer_size: int | None = None, interactive: bool = False,
                      errors: str = _R.errors, source_name: str = "<stdin>",
                      warn: Callable[[str], None] = lambda _msg: None,
-                     observe: Observer | None = None) -> TranslateStats:
+                     observe: Observer | None = None, prefix_source: BinaryIO | None = None,
+                     prefix_name: str = "<prefixes>") -> TranslateStats:
     """Translate every line of `source` into `sink`, one output line (or nbest lines) per
     input line, in order, flushing after each buffer; returns counters for --stats.
+
+    `prefix_source` gives one target prefix per input line (`--prefix-file`; an empty line:
+    none); it must have exactly as many lines as `source` (DataError naming it otherwise).
 
     `observe`, when given, is called for each translated (non-empty) line with its 1-based
     number, the source ids as translated (after truncation) and the best hypothesis, before
@@ -204,69 +226,122 @@ def translate_stream(source: BinaryIO, sink: BinaryIO, translator: Translator, *
     stats = TranslateStats()
     start = time.perf_counter()
     buffer: list[tuple[int, bytes]] = []
+    prefix_lines = None if prefix_source is None else read_lines(prefix_source)
+    prefixes: list[str | None] | None = None if prefix_lines is None else []
+    line_no = 0
     for line_no, raw in enumerate(read_lines(source), start=1):
         buffer.append((line_no, raw))
+        if prefix_lines is not None and prefixes is not None:
+            prefix = next(prefix_lines, None)
+            if prefix is None:
+                raise DataError(f"{prefix_name}: has {line_no - 1} lines, fewer than "
+                                f"{source_name}; give one prefix line per input line")
+            prefixes.append(decode_line(prefix, line_no, errors, prefix_name))
         if len(buffer) >= size:
             _translate_buffer(buffer, sink, translator, errors, source_name, warn, stats,
-                              observe)
-            buffer = []
+                              observe, prefixes)
+            buffer, prefixes = [], None if prefixes is None else []
     if buffer:
         _translate_buffer(buffer, sink, translator, errors, source_name, warn, stats,
-                          observe)
+                          observe, prefixes)
+    if prefix_lines is not None and next(prefix_lines, None) is not None:
+        raise DataError(f"{prefix_name}: has more lines than the {line_no} of {source_name}; "
+                        "give one prefix line per input line")
     stats.seconds = time.perf_counter() - start
     return stats
 
 
-def _translate_buffer(buffer: list[tuple[int, bytes]], sink: BinaryIO, translator: Translator,
-                      errors: str, source_name: str, warn: Callable[[str], None],
-                      stats: TranslateStats, observe: Observer | None = None) -> None:
-    """Encode, truncate, batch, search and write one buffer of lines in input order."""
-    texts = [decode_line(raw, n, errors, source_name) for n, raw in buffer]
+@dataclass
+class Translation:
+    """One input line's result: hypotheses best first, their output texts (detokenized,
+    on one line each: `sanitize`d) and the source piece ids as translated (after
+    truncation; empty for an empty or whitespace-only line, which gets no hypothesis)."""
+
+    hypotheses: list[Hypothesis]
+    texts: list[str]
+    source_ids: list[int]
+
+
+def translate_texts(translator: Translator, texts: Sequence[str], *,
+                    prefixes: Sequence[str | None] | None = None,
+                    line_numbers: Sequence[int] | None = None, source_name: str = "<input>",
+                    warn: Callable[[str], None] = lambda _msg: None) -> list[Translation]:
+    """Translate `texts` (one sentence each) as one buffer: encode, truncate over-long
+    sources (with a warning naming the line), sort and batch by length, search, detokenize.
+    What `nmt translate` does to each buffer of its input, and what the Python API calls,
+    so both give the same output for the same buffer.
+
+    `prefixes`, one per text (None or "" for none): the output must start with that text
+    (see `Translator.translate_ids`). `line_numbers` (1-based) name lines in warnings.
+    """
+    numbers = list(line_numbers) if line_numbers is not None else range(1, len(texts) + 1)
     nonempty = [i for i, text in enumerate(texts) if text]
     encoded = translator.vocab.encode([texts[i] for i in nonempty]) if nonempty else []
+    prefix_ids: dict[int, list[int]] = {}  # position in `texts` -> prefix pieces
+    if prefixes is not None:
+        wanted = [i for i in nonempty if prefixes[i]]
+        if wanted:
+            prefix_ids = dict(zip(wanted, translator.vocab.encode(
+                [str(prefixes[i]) for i in wanted]), strict=True))
     limit = translator.max_src_len
     sources: list[list[int]] = []
-    owners: list[int] = []  # buffer position of each source
+    owners: list[int] = []  # position in `texts` of each source
     for i, ids in zip(nonempty, encoded, strict=True):
         if not ids:
             continue  # whitespace only: nothing to translate
         if len(ids) > limit:
-            warn(f"{source_name}: line {buffer[i][0]}: {len(ids)} source tokens exceed "
+            warn(f"{source_name}: line {numbers[i]}: {len(ids)} source tokens exceed "
                  f"--max-src-len {limit}; truncated to the first {limit}")
             ids = ids[:limit]
         sources.append(ids)
         owners.append(i)
-    results: list[list[Hypothesis]] = [[] for _ in buffer]
+    results: list[list[Hypothesis]] = [[] for _ in texts]
     for batch in source_batches([len(s) for s in sources], translator.cfg.max_tokens):
-        hyps = translator.translate_ids([sources[j] for j in batch])
+        batch_prefixes = ([prefix_ids.get(owners[j], []) for j in batch] if prefix_ids
+                          else None)
+        hyps = translator.translate_ids([sources[j] for j in batch], batch_prefixes)
         for j, sent_hyps in zip(batch, hyps, strict=True):
             results[owners[j]] = sent_hyps
-    if observe is not None:
-        for source_ids, i in zip(sources, owners, strict=True):
-            if results[i]:
-                observe(buffer[i][0], source_ids, results[i][0])
     # One sentencepiece call for the whole buffer, on this thread (its thread pool costs
     # about a millisecond per call: more than decoding a sentence).
     outputs = iter(translator.vocab.decode(
         [h.tokens for hyps in results for h in hyps], num_threads=1))
-    lines = [_format(buffer[i][0] - 1, results[i], [next(outputs) for _ in results[i]],
-                     translator.cfg.nbest) for i in range(len(buffer))]
+    source_of = dict(zip(owners, sources, strict=True))
+    return [Translation(hyps, [sanitize(next(outputs)) for _ in hyps], source_of.get(i, []))
+            for i, hyps in enumerate(results)]
+
+
+def _translate_buffer(buffer: list[tuple[int, bytes]], sink: BinaryIO, translator: Translator,
+                      errors: str, source_name: str, warn: Callable[[str], None],
+                      stats: TranslateStats, observe: Observer | None = None,
+                      prefixes: Sequence[str | None] | None = None) -> None:
+    """Decode, translate and write one buffer of lines in input order."""
+    texts = [decode_line(raw, n, errors, source_name) for n, raw in buffer]
+    results = translate_texts(translator, texts, prefixes=prefixes,
+                              line_numbers=[n for n, _ in buffer], source_name=source_name,
+                              warn=warn)
+    if observe is not None:
+        for (line_no, _), result in zip(buffer, results, strict=True):
+            if result.hypotheses:
+                observe(line_no, result.source_ids, result.hypotheses[0])
+    lines = [_format(line_no - 1, r.hypotheses, r.texts, translator.cfg.nbest)
+             for (line_no, _), r in zip(buffer, results, strict=True)]
     sink.write("".join(lines).encode("utf-8", errors="replace"))
     sink.flush()
     stats.sentences += len(buffer)
-    stats.src_tokens += sum(len(s) + 1 for s in sources)
-    stats.tgt_tokens += sum(len(results[i][0].tokens) + 1 for i in owners if results[i])
+    stats.src_tokens += sum(len(r.source_ids) + 1 for r in results if r.source_ids)
+    stats.tgt_tokens += sum(len(r.hypotheses[0].tokens) + 1 for r in results if r.hypotheses)
 
 
 def _format(index: int, hyps: list[Hypothesis], texts: list[str], nbest: int) -> str:
     """The output line (or nbest `index<TAB>score<TAB>text` lines) of one input line, from
     its hypotheses and their decoded `texts`."""
     if nbest == 1:
-        return (sanitize(texts[0]) if texts else "") + "\n"
+        return (texts[0] if texts else "") + "\n"
     out = []
     for k in range(nbest):
         if k < len(hyps):
-            out.append(f"{index}\t{hyps[k].score:.4f}\t{sanitize(texts[k])}\n")
+            out.append(f"{index}\t{hyps[k].score:.4f}\t{texts[k]}\n")
         else:  # empty input line, or fewer hypotheses than asked
             out.append(f"{index}\t{0.0 if not hyps else float('-inf'):.4f}\t\n")
     return "".join(out)

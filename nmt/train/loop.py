@@ -48,7 +48,7 @@ from nmt.checkpoint import (
     save_checkpoint,
 )
 from nmt.config import ModelConfig, TrainConfig
-from nmt.data.dataset import ParallelData, corpus_ranges, load_vocab
+from nmt.data.dataset import ParallelData, corpus_ranges, language_pair, load_vocab
 from nmt.device import allow_tf32, resolve_device, set_cuda_allocator_default
 from nmt.errors import CheckpointError, DistributedError, NmtError, TrainingAborted, UsageError
 from nmt.host_memory import keep_freed_memory, limit_onednn_cache
@@ -218,8 +218,9 @@ class Trainer:
         self.data_state = DataState()
         self.elapsed_before = 0.0
         self.resumed_from = 0
-        self.meta = {"src_lang": "", "tgt_lang": "", "data_dir": str(self.data_dir.resolve()),
-                     **(meta or {})}
+        src_lang, tgt_lang = language_pair(self.data_dir)  # from nmt prep's manifest
+        self.meta = {"src_lang": src_lang, "tgt_lang": tgt_lang,
+                     "data_dir": str(self.data_dir.resolve()), **(meta or {})}
         self._resume()
         self.initialised_from: Path | None = None
         if init_from is not None and self.resumed_from == 0:

@@ -1,0 +1,103 @@
+"""`nmt serve -m MODEL [-m NAME=MODEL ...]`: translation over HTTP (LibreTranslate's API
+and a native one), lines of concurrent requests batched together; needs nmt[serve]."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import typer
+
+from cli.common import console, handle_errors
+from nmt.config import RuntimeConfig
+from nmt.errors import DataError, UsageError
+
+_R = RuntimeConfig()
+
+
+def command(
+    models: list[str] = typer.Option(..., "--model", "-m", help="MODEL or NAME=MODEL: a "
+                                     "checkpoint or run directory; repeat for several "
+                                     "models (chosen by language pair, or by name in /v1)."),
+    host: str = typer.Option("127.0.0.1", "--host", show_default=True,
+                             help="Address to bind (0.0.0.0: every interface)."),
+    port: int = typer.Option(5000, "--port", show_default=True, help="TCP port."),
+    device: str = typer.Option(_R.device, "--device", show_default=True,
+                               help="auto | cpu | cuda."),
+    precision: str = typer.Option(_R.precision, "--precision", show_default=True,
+                                  help="auto | fp32 | bf16 | fp16 | int8, as translate."),
+    threads: int = typer.Option(None, "--threads", show_default="torch's",
+                                help="Torch intra-op threads."),
+    max_batch_tokens: int = typer.Option(4096, "--max-batch-tokens", show_default=True,
+                                         help="Source pieces one batch across requests "
+                                         "may hold."),
+    max_wait_ms: float = typer.Option(5.0, "--max-wait-ms", show_default=True,
+                                      help="How long a batch waits for more requests."),
+    max_queue_lines: int = typer.Option(4096, "--max-queue-lines", show_default=True,
+                                        help="Lines queued per model before new requests "
+                                        "get 503 with Retry-After."),
+    max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", show_default=True,
+                                       help="Largest request body (413 above)."),
+    max_lines: int = typer.Option(256, "--max-lines", show_default=True,
+                                  help="Lines per request (413 above)."),
+    max_chars: int = typer.Option(5000, "--max-chars", show_default=True,
+                                  help="Characters per line (413 above)."),
+    api_keys: Path = typer.Option(None, "--api-keys", show_default="no keys",
+                                  help="File of API keys, one a line: requests must carry "
+                                  "one (api_key, or Authorization: Bearer KEY), else 403."),
+    cors_origin: str = typer.Option(None, "--cors-origin", show_default="CORS off",
+                                    help="Origin allowed to call from a browser."),
+) -> None:
+    """Serve models over HTTP until SIGTERM or Ctrl-C (then finish what is in flight and
+    exit 0). Ready when it prints its URL: every model is loaded."""
+    with handle_errors("serve"):
+        try:
+            import uvicorn
+
+            from nmt.serve.app import build_app
+            from nmt.serve.models import Limits, load_models
+        except ImportError as err:
+            raise UsageError(f"nmt serve needs starlette and uvicorn ({err.name} is "
+                             "missing): pip install 'nmt[serve]'") from err
+        for name, value in (("--port", port), ("--max-batch-tokens", max_batch_tokens),
+                            ("--max-queue-lines", max_queue_lines),
+                            ("--max-body-bytes", max_body_bytes), ("--max-lines", max_lines),
+                            ("--max-chars", max_chars)):
+            if value < 0 or (value == 0 and name != "--port"):
+                raise UsageError(f"{name} must be positive, got {value}")
+        if max_wait_ms < 0:
+            raise UsageError(f"--max-wait-ms must be >= 0, got {max_wait_ms}")
+        keys = _read_keys(api_keys) if api_keys is not None else []
+        limits = Limits(max_body_bytes, max_lines, max_chars, max_batch_tokens, max_wait_ms,
+                        max_queue_lines)
+        served = load_models(models, limits, device, precision, threads)
+        app = build_app(served, limits, keys, cors_origin)
+        url = f"http://{host}:{port}"
+        for model in served:
+            console.print(f"nmt serve: {model.name} ({model.source} -> {model.target}, "
+                          f"{model.translator.precision} on {model.translator.device}) from "
+                          f"{model.translator.paths[0]}", markup=False, soft_wrap=True)
+        first = served[0]
+        console.print(f"nmt serve: ready on {url}  (try: curl -s {url}/translate -H "
+                      f"'Content-Type: application/json' -d '{{\"q\": \"Hello\", "
+                      f"\"source\": \"{first.source}\", \"target\": \"{first.target}\"}}')",
+                      markup=False, soft_wrap=True)
+        # uvicorn stops accepting on SIGTERM, finishes the requests in flight, then raises
+        # the signal again for the handler found here: make that handler exit 0.
+        signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(0))
+        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False,
+                    timeout_graceful_shutdown=60)
+
+
+def _read_keys(path: Path) -> list[str]:
+    """One key a line; blank lines and # comments skipped; at least one key."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise DataError(f"{path}: cannot read the API keys ({err})") from err
+    keys = [line.strip() for line in text.splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
+    if not keys:
+        raise DataError(f"{path}: no API key in it (one a line)")
+    return keys

@@ -1,0 +1,255 @@
+"""The Python API: load a model once, then translate and score text from a program.
+
+    from nmt import Translator
+    translator = Translator.load("runs/multi30k-en-de")   # a run directory or a checkpoint
+    translator.translate(["A man rides a bike.", ""])    # ['Ein Mann fährt Fahrrad.', '']
+
+It is a thin layer over the engine `nmt translate` runs (nmt/inference/translate.py): the
+same buffering, batching, search and detokenization, so `translate(lines)` returns exactly
+the lines `nmt translate` prints for the same options. Importing this module (and `nmt`)
+does not import torch; `Translator.load` does.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from nmt.config import DecodeConfig, RuntimeConfig
+from nmt.errors import UsageError
+
+if TYPE_CHECKING:  # torch-free at import time
+    from nmt.inference.translate import Translator as Engine
+
+_D = DecodeConfig()
+_R = RuntimeConfig()
+
+
+@dataclass(frozen=True)
+class ScoredText:
+    """One hypothesis: its text, its score (log-probability divided by the GNMT length
+    penalty of the call's alpha, as beam search ranks it) and its raw log-probability
+    (natural log, EOS included)."""
+
+    text: str
+    score: float
+    log_prob: float
+
+
+@dataclass(frozen=True)
+class TranslationResult:
+    """The hypotheses of one input line, best first (`nbest` of them; none for an empty
+    line)."""
+
+    hypotheses: list[ScoredText]
+
+    @property
+    def text(self) -> str:
+        """The best translation ("" for an empty line)."""
+        return self.hypotheses[0].text if self.hypotheses else ""
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    """How probable the model finds a given translation (forced decoding): `log_prob` the
+    sum of its pieces' log-probabilities, EOS included (natural log); `tokens` the pieces
+    counted (EOS included); `normalized` = log_prob / tokens, comparable across lengths."""
+
+    log_prob: float
+    tokens: int
+    normalized: float
+
+
+class Translator:
+    """A loaded model (or ensemble) that translates and scores lists of sentences.
+
+    Thread safety: one Translator may be shared by several threads. Its calls run one at a
+    time (an internal lock serialises them, because the decoding buffers and the sampling
+    generator are per Translator); each call already uses torch's intra-op threads. To
+    translate more in parallel, pass more lines per call (they are batched together), or
+    load one Translator per thread. `nmt serve` merges concurrent requests into batches.
+    """
+
+    def __init__(self, engine: Engine, paths: list[Path],
+                 languages: tuple[str, str] = ("", "")) -> None:
+        """Use `Translator.load`; this wraps an already loaded engine."""
+        self._engine = engine
+        self.paths = paths
+        self._languages = languages
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, path: str | Path | Sequence[str | Path], device: str = _R.device,
+             precision: str = _R.precision, threads: int | None = None,
+             weights: str = _R.weights, quiet: bool = False) -> Translator:
+        """Load a checkpoint file, or a run directory (its average.pt, else
+        checkpoint_best.pt, else checkpoint_last.pt: the choice is printed on stderr
+        unless `quiet`); a list of them is an ensemble. `device`, `precision` and
+        `weights` as `nmt translate`'s flags; `threads` sets torch's intra-op threads
+        for the whole process (None: leave torch's setting)."""
+        import torch
+
+        from nmt.checkpoint import resolve_model_path
+        from nmt.inference.translate import Translator as Engine
+
+        if threads is not None:
+            if threads < 1:
+                raise UsageError(f"threads must be >= 1, got {threads}")
+            torch.set_num_threads(threads)
+        given = [path] if isinstance(path, str | Path) else list(path)
+        files = []
+        for item in given:
+            file, resolved = resolve_model_path(Path(item))
+            if resolved and not quiet:
+                print(f"nmt: {item}: using {file}", file=sys.stderr)
+            files.append(file)
+        engine = Engine.load(files, _D, device=device, precision=precision,
+                             weights=weights)
+        return cls(engine, files, _languages(files[0]))
+
+    @property
+    def device(self) -> str:
+        """Where the model runs ("cpu", "cuda:0")."""
+        return str(self._engine.device)
+
+    @property
+    def precision(self) -> str:
+        """The precision the model runs in ("auto" resolved: fp32, bf16, fp16 or int8)."""
+        return str(self._engine.precision)
+
+    @property
+    def parameters(self) -> int:
+        """Parameters of the (first) model."""
+        return sum(p.numel() for p in self._engine.models[0].parameters())
+
+    @property
+    def languages(self) -> tuple[str, str]:
+        """(source, target) language codes recorded at training (from `nmt prep`'s
+        manifest); ("", "") for a model trained without them."""
+        return self._languages
+
+    def count_tokens(self, lines: Sequence[str]) -> list[int]:
+        """Source pieces of each line, EOS included: what batching counts."""
+        texts = _as_lines(lines, "lines")
+        return [len(ids) + 1 for ids in self._engine.vocab.encode(texts)] if texts else []
+
+    @property
+    def model_config(self) -> dict[str, Any]:
+        """The (first) model's architecture, as stored in its checkpoint."""
+        return self._engine.models[0].cfg.to_dict()
+
+    def translate(self, lines: Sequence[str], *, beam: int = _D.beam, alpha: float = _D.alpha,
+                  nbest: int = _D.nbest, return_scores: bool = False,
+                  target_prefix: Sequence[str | None] | None = None,
+                  max_len_a: float = _D.max_len_a, max_len_b: int = _D.max_len_b,
+                  min_len: int = _D.min_len, sampling: bool = _D.sampling,
+                  temperature: float = _D.temperature, top_k: int = _D.top_k,
+                  top_p: float = _D.top_p, seed: int | None = None,
+                  max_tokens: int = _D.max_tokens, buffer_size: int = _D.buffer_size,
+                  max_src_len: int | None = None) -> list[str] | list[TranslationResult]:
+        """Translate `lines` (one sentence each), same order, one result per line; an
+        empty line gives "". Options are `nmt translate`'s flags of the same names, with
+        its defaults (the paper's beam 4, alpha 0.6).
+
+        Returns strings, or `TranslationResult`s (hypotheses with scores) when `nbest` > 1
+        or `return_scores`. `target_prefix`, one per line (None or "": none): that line's
+        output starts with it (teacher-forced, then the search goes on). `seed` makes
+        `sampling` reproducible for this call. Over-long lines are truncated to
+        `max_src_len` pieces (default: the model's positions - 1), as `nmt translate` does.
+        """
+        from nmt.inference.translate import translate_texts
+
+        texts = _as_lines(lines, "lines")
+        if target_prefix is not None and len(target_prefix) != len(texts):
+            raise UsageError(f"target_prefix has {len(target_prefix)} entries for "
+                             f"{len(texts)} lines; give one per line (None for none)")
+        cfg = DecodeConfig(beam=beam, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
+                           min_len=min_len, nbest=nbest, sampling=sampling,
+                           temperature=temperature, top_k=top_k, top_p=top_p,
+                           max_tokens=max_tokens, buffer_size=buffer_size)
+        results = []
+        with self._lock, _EngineSettings(self._engine, cfg, seed, max_src_len) as engine:
+            for start in range(0, len(texts), cfg.buffer_size):  # as nmt translate buffers
+                end = start + cfg.buffer_size
+                prefixes = None if target_prefix is None else list(target_prefix[start:end])
+                results += translate_texts(engine, texts[start:end], prefixes=prefixes,
+                                           line_numbers=range(start + 1, end + 1),
+                                           source_name="lines")
+        if nbest == 1 and not return_scores:
+            return [r.texts[0] if r.texts else "" for r in results]
+        return [TranslationResult([ScoredText(text, h.score, h.log_prob)
+                                   for h, text in zip(r.hypotheses, r.texts, strict=True)])
+                for r in results]
+
+    def score(self, sources: Sequence[str], targets: Sequence[str], *,
+              max_tokens: int = _D.max_tokens) -> list[ScoreResult]:
+        """The model's log-probability of each `targets[i]` as the translation of
+        `sources[i]` (forced decoding, EOS included): per pair, raw and per token. Texts
+        are tokenized here, so a translation's score equals the log-probability its search
+        reported whenever its pieces re-tokenize to themselves (nearly always for a
+        trained model). An empty target scores its EOS alone."""
+        from nmt.inference.scoring import score_ids
+
+        src_texts, tgt_texts = _as_lines(sources, "sources"), _as_lines(targets, "targets")
+        if len(src_texts) != len(tgt_texts):
+            raise UsageError(f"{len(src_texts)} sources but {len(tgt_texts)} targets; "
+                             "give one target per source")
+        with self._lock:
+            engine = self._engine
+            src_ids = engine.vocab.encode(src_texts) if src_texts else []
+            tgt_ids = engine.vocab.encode(tgt_texts) if tgt_texts else []
+            scored = score_ids(engine, src_ids, tgt_ids, max_tokens)
+        return [ScoreResult(lp, n, lp / n) for lp, n in scored]
+
+
+class _EngineSettings:
+    """Give the engine one call's search settings, and its own back afterwards."""
+
+    def __init__(self, engine: Engine, cfg: DecodeConfig, seed: int | None,
+                 max_src_len: int | None) -> None:
+        self.engine, self.cfg, self.seed, self.max_src_len = engine, cfg, seed, max_src_len
+
+    def __enter__(self) -> Engine:
+        engine = self.engine
+        limit = engine.max_positions - 1
+        if self.max_src_len is not None and not 0 < self.max_src_len <= limit:
+            raise UsageError(f"max_src_len must be in 1..{limit} (the model's positions "
+                             f"minus EOS), got {self.max_src_len}")
+        self.saved = engine.cfg, engine.max_src_len
+        engine.cfg = self.cfg
+        engine.max_src_len = self.max_src_len or limit
+        if self.seed is not None:
+            engine.generator.manual_seed(self.seed)
+        return engine
+
+    def __exit__(self, *exc: object) -> None:
+        self.engine.cfg, self.engine.max_src_len = self.saved
+
+
+def _languages(path: Path) -> tuple[str, str]:
+    """(source, target) codes in a checkpoint's meta, read memory-mapped (weights stay
+    on disk); ("", "") when it records none."""
+    from nmt.checkpoint import load_checkpoint
+
+    meta = load_checkpoint(path, mmap=True).get("meta") or {}
+    return str(meta.get("src_lang") or ""), str(meta.get("tgt_lang") or "")
+
+
+def _as_lines(lines: Sequence[str], name: str) -> list[str]:
+    """`lines` as a list of str; a lone string (a common slip) or a non-str item is a
+    UsageError rather than a translation of its characters."""
+    if isinstance(lines, str | bytes):
+        raise UsageError(f"{name} must be a list of strings, got one {type(lines).__name__}; "
+                         f"wrap it: [{name[:-1] if name.endswith('s') else name}]")
+    out = list(lines)
+    for i, line in enumerate(out):
+        if not isinstance(line, str):
+            raise UsageError(f"{name}[{i}] is {type(line).__name__}, not str")
+    return out
+
+
+__all__ = ["ScoreResult", "ScoredText", "TranslationResult", "Translator"]
