@@ -225,7 +225,7 @@ def ct2_request(checkpoint: Path, lines: list[str], cfg: DecodeConfig, cache: Pa
     at load time for int8) and write the helper's request: sources as pieces, search
     settings, and a parity batch with nmt's teacher-forced per-token log-probs."""
     try:
-        from nmt.inference.export_ct2 import export_ct2
+        from nmt.inference.export.ct2 import export_ct2
     except ImportError:
         return None
     model_dir = cache / "ct2_model"

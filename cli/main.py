@@ -51,7 +51,7 @@ app.command("plot", help="Plot a run's training curves as a PNG (needs "
 app.command("serve", help="Serve models over HTTP: LibreTranslate's API and a native one "
             "(needs nmt\\[serve]).")(serve.command)
 app.add_typer(export.app, name="export", help="Export a checkpoint for CTranslate2 (needs "
-              "nmt\\[ct2]).")
+              "nmt\\[ct2]) or Hugging Face transformers (needs nmt\\[hf]).")
 
 
 def _version(value: bool) -> None:

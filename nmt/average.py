@@ -98,7 +98,8 @@ def average_checkpoints(paths: Sequence[Path], output: Path,
                         weights: str = "auto") -> dict[str, Any]:
     """Average `paths` into `output` (atomic); returns the written payload's summary.
 
-    Keeps vocab, model_config and meta of the newest input; drops optimizer and other
+    Keeps vocab, model_config and meta of the newest input (its training settings go into
+    meta as `train_config`, for the exporters' model cards); drops optimizer and other
     training state, so the result is a model file for `translate`, not a resume point.
     `weights`: raw, ema (runs trained with --ema-decay) or auto (ema when every input has
     it, else raw); the output holds the averaged weights as its plain model.
@@ -126,6 +127,8 @@ def average_checkpoints(paths: Sequence[Path], output: Path,
     meta["averaged_from"] = [{"path": str(p), "step": int(pl["step"])}
                              for p, pl in zip(paths, payloads, strict=True)]
     meta["averaged_weights"] = weights
+    if newest.get("train_config"):  # how the run was trained, for model cards (export)
+        meta["train_config"] = newest["train_config"]
     result = model_payload(step=newest["step"], model_config=newest["model_config"],
                            vocab=newest["vocab"], model=model, meta=meta)
     Path(output).parent.mkdir(parents=True, exist_ok=True)

@@ -77,12 +77,33 @@ def one_thread():
         yield
 
 
+@pytest.fixture(scope="session")
+def multi30k_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model trained briefly on Multi30k (a real, if weak, translation model),
+    trained once per session for the exporters' tests."""
+    from helpers.data import train_one_thread, write_text_data
+
+    from nmt.config import TrainConfig, model_preset
+
+    base = shared_data_path("multi30k")
+    work = tmp_path_factory.mktemp("multi30k-model")
+    en = (base / "train.en").read_text(encoding="utf-8").splitlines()[:12000]
+    de = (base / "train.de").read_text(encoding="utf-8").splitlines()[:12000]
+    data = write_text_data(work / "data", {"train": list(zip(en, de, strict=True)),
+                                           "valid": list(zip(en[:50], de[:50], strict=True))},
+                           vocab_size=1000)
+    cfg = TrainConfig(max_updates=400, max_tokens=2048, warmup=150, lr_scale=2.0,
+                      max_len=64, log_interval=100, valid_interval=10_000,
+                      save_interval_minutes=0, seed=1)
+    return train_one_thread(data, work / "run", model_preset("tiny", dropout=0.1), cfg)
+
+
 # --- The fast loop (`pytest -m "not slow"`) -----------------------------------------------
 # Cost is marked from fixtures, at collection: every test that uses one of these (directly
 # or through another fixture) is `slow`, so a new test on an expensive fixture is marked
 # without anyone remembering to. Name -> what makes it expensive.
 SLOW_FIXTURES: dict[str, str] = {
-    "multi30k_model": "trains a small model on Multi30k for minutes (test_export_ct2)",
+    "multi30k_model": "trains a small model on Multi30k for minutes (export tests)",
 }
 # A test outside `slow` that takes longer than this (setup + call, seconds) is named at
 # the end of the run: mark it slow (keeping a fast test in its module) or make it cheaper.

@@ -147,27 +147,6 @@ def test_errors_are_one_line(spm: Path, tmp_path: Path, monkeypatch: pytest.Monk
     assert not (tmp_path / "o").exists()
 
 
-@pytest.fixture(scope="module")
-def multi30k_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny model trained briefly on Multi30k (a real, if weak, translation model)."""
-    from conftest import shared_data_path
-    from helpers.data import train_one_thread, write_text_data
-
-    from nmt.config import TrainConfig, model_preset
-
-    base = shared_data_path("multi30k")
-    work = tmp_path_factory.mktemp("ct2train")
-    en = (base / "train.en").read_text(encoding="utf-8").splitlines()[:12000]
-    de = (base / "train.de").read_text(encoding="utf-8").splitlines()[:12000]
-    data = write_text_data(work / "data", {"train": list(zip(en, de, strict=True)),
-                                           "valid": list(zip(en[:50], de[:50], strict=True))},
-                           vocab_size=1000)
-    cfg = TrainConfig(max_updates=400, max_tokens=2048, warmup=150, lr_scale=2.0,
-                      max_len=64, log_interval=100, valid_interval=10_000,
-                      save_interval_minutes=0, seed=1)
-    return train_one_thread(data, work / "run", model_preset("tiny", dropout=0.1), cfg)
-
-
 def beam_outputs(checkpoint: Path, model_dir: Path, sources: list[str], alpha: float,
                  max_len: int) -> tuple[list[str], list[str], list[bool]]:
     """Best beam-4 outputs of nmt and CTranslate2 for `sources`, with length penalty

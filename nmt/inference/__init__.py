@@ -8,7 +8,9 @@
 - `translate`: the streaming pipeline of `nmt translate` (read, sort, batch, search, write
   in input order) and the `Translator` that loads a model once.
 - `packed_linear`, `int8_linear`: faster CPU linears swapped in for inference.
-- `attention_map`: encoder-decoder attention heatmaps; `export_ct2`: the CTranslate2 exporter.
+- `attention_map`: encoder-decoder attention heatmaps.
+- `export`: exporters for other engines: CTranslate2 (`export.ct2`), Hugging Face
+  transformers (`export.hf`), sharing `export.common`.
 
 May import the shared top-level modules, nmt.model and nmt.data; never nmt.train.
 """

@@ -17,6 +17,7 @@ changed: `env` (a value None unsets the variable), `input`; in a subprocess also
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -127,12 +128,13 @@ NMT_CLI = NmtCli()
 
 
 def assert_one_line(result: CliResult, code: int, *words: str) -> None:
-    """`result` failed with exit `code` and one stderr line, `nmt COMMAND: error: ...`, that
-    holds every one of `words`; nothing on stdout, no traceback."""
+    """`result` failed with exit `code` and one stderr line, `nmt COMMAND: error: ...` (or
+    `nmt COMMAND SUBCOMMAND: error: ...`), that holds every one of `words`; nothing on
+    stdout, no traceback."""
     assert result.returncode == code, result.err
     lines = result.err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"nmt {result.args[0]}: error: "), \
-        result.err
+    prefix = re.compile(rf"nmt {re.escape(result.args[0])}( [a-z0-9]+)?: error: ")
+    assert len(lines) == 1 and prefix.match(lines[0]), result.err
     for word in words:
         assert word in lines[0], (word, lines[0])
     assert "Traceback" not in result.err and result.out == ""

@@ -22,11 +22,6 @@ how to run it. The directory is written under a temporary name and renamed when 
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +29,13 @@ import torch
 
 from nmt.data.vocab import BOS_ID, EOS_ID, UNK_ID, Vocab
 from nmt.errors import CheckpointError, DataError, UsageError
+from nmt.inference.export.common import (
+    check_output,
+    read_checkpoint,
+    replace_dir,
+    temp_dir,
+    training_story,
+)
 
 QUANTIZATIONS = ("float32", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16",
                  "float16", "bfloat16")
@@ -43,7 +45,9 @@ LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default, which nmt's layers us
 
 USAGE = """# CTranslate2 model exported by `nmt export ct2`
 
-From {checkpoint} ({arch}); weights stored as {quantization}.
+From {checkpoint}; weights stored as {quantization}.
+
+{story}
 
 ```python
 import ctranslate2, sentencepiece as spm
@@ -172,23 +176,17 @@ def export_ct2(checkpoint: Path, output: Path, quantization: str = "float32",
     if quantization not in QUANTIZATIONS:
         raise UsageError(f"unknown --quantization {quantization!r}; choose one of: "
                          f"{', '.join(QUANTIZATIONS)}")
-    output = Path(output)
-    if output.exists() and not force:
-        raise UsageError(f"{output} already exists; pass --force to replace it")
+    output = check_output(output, force)
     ct2 = import_ctranslate2()
-    from nmt.checkpoint import load_model
-
-    model, vocab, _ = load_model(Path(checkpoint), "cpu")
-    spec = build_spec(model.float().eval(), vocab)
+    exported = read_checkpoint(Path(checkpoint))
+    model, vocab = exported.model, exported.vocab
+    spec = build_spec(model, vocab)
 
     class _Spec(ct2.converters.Converter):
         def _load(self) -> Any:
             return spec
 
-    parent = output.absolute().parent
-    if not parent.is_dir():
-        raise DataError(f"{parent}: no such directory; create it first")
-    with _temp_dir(parent, output.name) as tmp:
+    with temp_dir(output.absolute().parent, output.name) as tmp:
         model_dir = tmp / "model"
         try:
             _Spec().convert(str(model_dir), quantization=quantization)
@@ -196,36 +194,8 @@ def export_ct2(checkpoint: Path, output: Path, quantization: str = "float32",
             raise CheckpointError(f"{checkpoint}: CTranslate2 conversion failed: "
                                   f"{str(err).splitlines()[0] if str(err) else err!r}") from err
         (model_dir / "sentencepiece.model").write_bytes(vocab.proto)
-        arch = (f"{model.cfg.encoder_layers}+{model.cfg.decoder_layers} layers, d_model "
-                f"{model.cfg.d_model}, {'pre' if model.cfg.pre_norm else 'post'}-norm")
         (model_dir / "README.md").write_text(USAGE.format(
-            checkpoint=Path(checkpoint).name, arch=arch, quantization=quantization,
-            name=output.name), encoding="utf-8")
-        _replace_dir(model_dir, output, tmp)
+            checkpoint=Path(checkpoint).name, story="\n".join(training_story(exported)),
+            quantization=quantization, name=output.name), encoding="utf-8")
+        replace_dir(model_dir, output, tmp)
     return output
-
-
-@contextlib.contextmanager
-def _temp_dir(parent: Path, name: str) -> Iterator[Path]:
-    """A temporary directory beside the output (same file system: rename is atomic),
-    removed afterwards whatever happens."""
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=parent))
-    except OSError as err:
-        raise DataError(f"{parent}: cannot write there ({err.strerror or err})") from err
-    try:
-        yield tmp
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _replace_dir(new: Path, output: Path, tmp: Path) -> None:
-    """Rename the finished `new` directory to `output`; an existing `output` (allowed by
-    --force) is first moved into `tmp`, to be removed with it."""
-    try:
-        if output.exists():
-            os.replace(output, tmp / "old")
-        os.replace(new, output)
-    except OSError as err:
-        raise DataError(f"{output}: cannot write the model directory "
-                        f"({err.strerror or err})") from err
