@@ -104,3 +104,61 @@ def test_cli_average_refuses_mismatched_models(spm: Path, tmp_path: Path, nmt_cl
     assert not (tmp_path / "out.pt").exists()
     result = nmt_cli.invoke("average", str(tmp_path), "-o", str(tmp_path / "out.pt"))
     assert result.returncode == 2 and b"--last" in result.stderr
+
+
+@pytest.mark.slow  # writes ten 360 MB checkpoints
+def test_average_of_ten_training_checkpoints_stays_near_one_model(tmp_path: Path,
+                                                                  nmt_cli: NmtCli) -> None:
+    """`nmt average --last 10` of checkpoints shaped like big's layers (d_model 1024, d_ff
+    4096, 16 heads; one layer each side, 30M parameters), each with Adam's two moments
+    beside the weights (3x the weights on disk): its peak RSS, over a process that has
+    only imported the same modules, stays under 2x one model's weights. Reading every file
+    whole would need 30x."""
+    from nmt.checkpoint import model_payload
+    from nmt.config import model_preset
+    from nmt.model.transformer import Transformer
+
+    cfg = model_preset("big", vocab_size=1000, encoder_layers=1, decoder_layers=1)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    run = tmp_path / "run"
+    run.mkdir()
+    for step in range(1, 11):
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(0.01)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        moments = {i: {"step": torch.tensor(float(step)), "exp_avg": torch.randn_like(p),
+                       "exp_avg_sq": torch.rand_like(p)}
+                   for i, p in enumerate(model.parameters())}
+        save_checkpoint(model_payload(step=step, model_config=cfg.to_dict(), vocab=b"spm",
+                                      model=state, optimizer={"state": moments,
+                                                              "param_groups": []}),
+                        run / f"checkpoint_{step}.pt")
+        del state, moments
+    # VmHWM: this process image's peak RSS (ru_maxrss would carry the parent's across exec)
+    probe = ("import atexit, sys\n"
+             "def hwm():\n"
+             "    for line in open('/proc/self/status'):\n"
+             "        if line.startswith('VmHWM:'):\n"
+             "            print('MAXRSS_KB', line.split()[1], file=sys.stderr)\n"
+             "atexit.register(hwm)\n"
+             "import torch, nmt.average, nmt.checkpoint, cli.main\n")
+    runner = nmt_cli.instrumented(probe + "from cli.main import main\nmain()\n")
+    out = tmp_path / "average.pt"
+    result = runner.run("average", run, "--last", "10", "-o", out)
+    assert result.returncode == 0, result.err
+    baseline = nmt_cli.instrumented(probe).run()
+
+    def peak(text: str) -> int:
+        return 1024 * int(next(line.split()[1] for line in text.splitlines()
+                               if line.startswith("MAXRSS_KB")))
+
+    grew = peak(result.err) - peak(baseline.err)
+    assert grew < 2 * weights, f"peak RSS grew {grew / 2**20:.0f} MiB for a model of " \
+                               f"{weights / 2**20:.0f} MiB"
+    averaged = load_checkpoint(out)["model"]
+    last = load_checkpoint(run / "checkpoint_10.pt", mmap=True)["model"]
+    key = "encoder.0.ffn.fc1.weight"
+    torch.testing.assert_close(averaged[key], last[key] - 0.045, rtol=0, atol=1e-5)
