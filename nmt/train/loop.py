@@ -228,7 +228,11 @@ class Trainer:
         self.net: torch.nn.Module = self.model
         if self.env.active:
             ids = [self.device.index] if self.device.type == "cuda" else None
-            self.net = DistributedDataParallel(self.model, device_ids=ids)
+            # The only buffers are the fixed sinusoid tables (and cached masks): nothing to
+            # broadcast every forward. Gradients live in DDP's buckets (no second copy).
+            self.net = DistributedDataParallel(self.model, device_ids=ids,
+                                               broadcast_buffers=False,
+                                               gradient_as_bucket_view=True)
         self.corpora = corpus_ranges(self.data_dir)
         self.epoch_batches = self._build_batches()
         self.feed = TrainFeed(self.train_data, self.epoch_batches, self.env, self.update_freq,
@@ -318,8 +322,12 @@ class Trainer:
         assert payload is not None
         self.data_state = restore_training(
             payload, model=self.model, optimizer=self.optimizer, scheduler=self.schedule,
-            scaler=self.scaler, rank=self.env.rank, world_size=self.env.world_size)
+            scaler=self.scaler, rank=self.env.rank, world_size=self.env.world_size,
+            device=self.device)
         self.step = self.resumed_from = step
+        saved_by = len(payload["rng"])  # one RNG state per process that saved it
+        if saved_by != self.env.world_size:
+            self.notes.append(self._world_change_note(saved_by))
         self.elapsed_before = float(payload.get("elapsed_seconds", 0.0))
         if self.ema is not None:
             if payload.get("ema"):
@@ -343,6 +351,19 @@ class Trainer:
             raise UsageError(f"{self.data_dir}: only {count} training batches "
                              f"for {self.env.world_size} processes; lower --max-tokens")
         return batches
+
+    def _world_change_note(self, saved_by: int) -> str:
+        """What a resume on another number of processes does to the batch."""
+        now, cfg = self.env.world_size, self.cfg
+        head = f"resumed a run saved by {saved_by} process(es) on {now}: "
+        if cfg.batch_tokens:
+            return (head + f"--batch-tokens {cfg.batch_tokens} gives update-freq "
+                    f"{self.update_freq} x {self.batching.micro_tokens} tokens per process, "
+                    "the same batch per update; this epoch's order is reshuffled")
+        return (head + f"each update now holds {now} x update-freq {self.update_freq} x "
+                f"--max-tokens {self.batching.micro_tokens} tokens, {now}/{saved_by} of "
+                "what it held (use --batch-tokens to keep the batch); this epoch's order is "
+                "reshuffled")
 
     def _init_from(self, path: Path, reset_optimizer: bool) -> None:
         """Start this new run from another run's model (`--init-from`): its weights (EMA
@@ -425,7 +446,7 @@ class Trainer:
     # ----- checkpoints -----
 
     def _save(self, elapsed: float) -> Path | None:
-        rngs = gather_objects(self.env, capture_rng())  # collective: every rank calls it
+        rngs = gather_objects(self.env, capture_rng(self.device))  # collective: all ranks
         if not self.env.is_main:
             return None
         payload = build_payload(

@@ -48,24 +48,31 @@ class DataState:
         return {"epoch": self.epoch, "index": self.index}
 
 
-def capture_rng() -> dict[str, Any]:
-    """This process's RNG states (torch CPU, every CUDA device, python, numpy)."""
+def capture_rng(device: torch.device | None = None) -> dict[str, Any]:
+    """This process's RNG states: torch CPU, python, numpy, and the CUDA generator of its
+    own `device` only (one rank, one GPU). Saving every visible GPU's state made a resume
+    with fewer visible GPUs fail (IndexError) and gave each rank its neighbours' streams."""
     py_version, py_state, py_gauss = random.getstate()
     np_state = np.random.get_state()
+    cuda = device is not None and device.type == "cuda"
     return {
         "torch": torch.get_rng_state(),
-        "cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else [],
+        "cuda": [torch.cuda.get_rng_state(device)] if cuda else [],
         "python": [py_version, list(py_state), py_gauss],
         "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),
                   int(np_state[2]), int(np_state[3]), float(np_state[4])],
     }
 
 
-def restore_rng(state: dict[str, Any]) -> None:
-    """Inverse of `capture_rng`."""
+def restore_rng(state: dict[str, Any], device: torch.device | None = None) -> None:
+    """Inverse of `capture_rng`, onto this rank's `device`. A checkpoint from before
+    per-device states holds every visible GPU's: the entry of this device's index is used
+    when there is one, else the first."""
     torch.set_rng_state(state["torch"].cpu())
-    if state.get("cuda") and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([t.cpu() for t in state["cuda"]])
+    cuda = state.get("cuda") or []
+    if cuda and device is not None and device.type == "cuda":
+        index = device.index or 0
+        torch.cuda.set_rng_state(cuda[index if index < len(cuda) else 0].cpu(), device)
     version, py_state, gauss = state["python"]
     random.setstate((version, tuple(py_state), gauss))
     name, key, pos, has_gauss, cached = state["numpy"]
@@ -146,8 +153,11 @@ def prune_checkpoints(run_dir: Path, keep_last: int) -> list[Path]:
 
 def restore_training(payload: dict[str, Any], *, model: torch.nn.Module,
                      optimizer: torch.optim.Optimizer, scheduler: Any,
-                     scaler: torch.amp.GradScaler, rank: int, world_size: int) -> DataState:
-    """Load weights, optimizer, scheduler, scaler and this rank's RNG; return data position."""
+                     scaler: torch.amp.GradScaler, rank: int, world_size: int,
+                     device: torch.device | None = None) -> DataState:
+    """Load weights, optimizer, scheduler, scaler and this rank's RNG (its CUDA stream onto
+    `device`); return data position. A run saved by another number of processes resumes
+    too: each rank takes rank 0's RNG, reseeded by its rank."""
     missing = [k for k in ("optimizer", "scheduler", "scaler", "rng", "data_state")
                if k not in payload]
     if missing:
@@ -160,9 +170,9 @@ def restore_training(payload: dict[str, Any], *, model: torch.nn.Module,
         scaler.load_state_dict(payload["scaler"])
     rngs = payload["rng"]
     if len(rngs) == world_size:
-        restore_rng(rngs[rank])
+        restore_rng(rngs[rank], device)
     else:  # world size changed: batches differ anyway; reseed distinctly per rank
-        restore_rng(rngs[0])
+        restore_rng(rngs[0], device)
         torch.manual_seed(int(torch.randint(0, 2 ** 31, (1,))) + rank)
     data = payload["data_state"]
     return DataState(int(data["epoch"]), int(data["index"]))
