@@ -159,8 +159,10 @@ def last_checkpoints(run_dir: Path, count: int) -> list[Path]:
     """The `count` checkpoints of `run_dir` with the highest stored steps, oldest first.
 
     The step is read from inside each file, never from its name; `checkpoint_last.pt`
-    counts only when no numbered file holds the same step; `checkpoint_best.pt` (a copy of
-    the weights of one validation) never does.
+    counts only when no numbered file holds the same step and it is not a resume point
+    alone (a time-based save between update-spaced checkpoints, which would break the
+    averaging's spacing); `checkpoint_best.pt` (a copy of the weights of one validation)
+    never does.
     """
     run_dir = Path(run_dir)
     if count < 1:
@@ -172,6 +174,8 @@ def last_checkpoints(run_dir: Path, count: int) -> list[Path]:
                                                                   p.name))
     by_step: dict[int, Path] = {}
     for step, path in checkpoint_steps(paths):
+        if path.name == LAST and _resume_only(path):
+            continue  # a crash-insurance save between the evenly spaced checkpoints
         by_step.setdefault(step, path)  # numbered files sort first and win ties
     if len(by_step) < count:
         raise DataError(f"{run_dir}: asked for the last {count} checkpoints but only "
@@ -212,6 +216,7 @@ def average_checkpoints(paths: Sequence[Path], output: Path,
     model = _average_files(paths, weights)
     newest = max(headers, key=lambda h: h["step"])
     meta = dict(newest["meta"])
+    meta.pop("resume_only", None)  # the average is a model file, not a resume point
     meta["averaged_from"] = [{"path": str(p), "step": h["step"]}
                              for p, h in zip(paths, headers, strict=True)]
     meta["averaged_weights"] = weights
@@ -223,6 +228,12 @@ def average_checkpoints(paths: Sequence[Path], output: Path,
     save_checkpoint(result, Path(output))
     return {"output": str(output), "step": result["step"], "inputs": meta["averaged_from"],
             "weights": weights}
+
+
+def _resume_only(path: Path) -> bool:
+    """Whether a checkpoint is marked a resume point only (nmt.train.state)."""
+    meta = load_checkpoint(path, mmap=True).get("meta") or {}
+    return bool(meta.get("resume_only"))
 
 
 def _header(path: Path) -> dict[str, Any]:

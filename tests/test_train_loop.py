@@ -67,6 +67,32 @@ def test_checkpoint_contents_and_pruning(copy_data, tmp_path):
     assert payload["scheduler"]["step_count"] == 5
 
 
+def test_saves_by_updates_keep_the_averaging_spacing(copy_data, tmp_path):
+    """With --save-interval-updates, time-based saves only refresh checkpoint_last.pt (a
+    resume point), so the numbered checkpoints keep their even spacing for averaging (the
+    WMT recipes save every 1,400 / 600 updates, the paper's 10 minutes on P100s); nmt
+    average skips a resume-only checkpoint_last.pt and a run resumes from it."""
+    from nmt.average import last_checkpoints
+    from nmt.train.state import write_resume_point
+
+    torch.set_num_threads(1)
+    run = tmp_path / "r"
+    cfg = _cfg(max_updates=8, save_interval_updates=3, save_interval_minutes=1e-9)
+    train(copy_data, run, MODEL, cfg, "cpu", progress=False)  # a time save at every update
+    numbered = sorted(int(p.stem.split("_")[1]) for p in run.glob("checkpoint_[0-9]*.pt"))
+    assert numbered == [3, 6, 8]  # by updates, and the end of training
+    assert [p.name for p in last_checkpoints(run, 3)] == [
+        "checkpoint_3.pt", "checkpoint_6.pt", "checkpoint_8.pt"]
+    payload = load_checkpoint(run / "checkpoint_8.pt")
+    write_resume_point({**payload, "step": 9}, run)  # as a time save after update 9 would
+    assert [p.name for p in last_checkpoints(run, 2)] == ["checkpoint_6.pt",
+                                                          "checkpoint_8.pt"]
+    assert load_checkpoint(run / "checkpoint_last.pt")["meta"]["resume_only"] is True
+    resumed = train(copy_data, run, MODEL, _cfg(**{**cfg.__dict__, "max_updates": 10}),
+                    "cpu", progress=False)
+    assert resumed.resumed_from == 9 and resumed.step == 10
+
+
 def test_resume_refuses_other_model(copy_data, tmp_path):
     train(copy_data, tmp_path / "r", MODEL, _cfg(max_updates=1), "cpu", progress=False)
     with pytest.raises(CheckpointError, match="different model config"):

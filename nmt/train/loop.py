@@ -76,6 +76,7 @@ from nmt.train.state import (
     capture_rng,
     restore_training,
     write_checkpoint,
+    write_resume_point,
 )
 from nmt.train.step import LossOptions, apply_update, train_step
 from nmt.train.validate import validate
@@ -148,7 +149,7 @@ class _Run:
 
     summary: TrainSummary
     elapsed_before: float  # seconds of the run before this process (resumed runs)
-    saved_step: int  # update of the newest checkpoint this process knows of
+    saved_step: int  # update of the newest numbered checkpoint this process knows of
     start: float = field(default_factory=time.perf_counter)
     last_save: float = field(default_factory=time.perf_counter)
     streak: int = 0  # non-finite updates in a row
@@ -445,7 +446,9 @@ class Trainer:
 
     # ----- checkpoints -----
 
-    def _save(self, elapsed: float) -> Path | None:
+    def _save(self, elapsed: float, resume_only: bool = False) -> Path | None:
+        """Save a training checkpoint: numbered (and checkpoint_last.pt), or with
+        `resume_only` checkpoint_last.pt alone (see write_resume_point)."""
         rngs = gather_objects(self.env, capture_rng(self.device))  # collective: all ranks
         if not self.env.is_main:
             return None
@@ -457,8 +460,12 @@ class Trainer:
         payload["best"] = self.best.state_dict()
         if self.ema is not None:
             payload["ema"] = self.ema.state_dict()
-        path = write_checkpoint(payload, self.run_dir, self.cfg.keep_last)
-        self._say(f"saved {path} (update {self.step})")
+        if resume_only:
+            path = write_resume_point(payload, self.run_dir)
+            self._say(f"saved {path} (update {self.step}; resume point only)")
+        else:
+            path = write_checkpoint(payload, self.run_dir, self.cfg.keep_last)
+            self._say(f"saved {path} (update {self.step})")
         return path
 
     # ----- main loop -----
@@ -555,9 +562,10 @@ class Trainer:
                           f"validations without a better {self.best.metric} "
                           f"(best {self.best.best:.4f} at update "
                           f"{self.best.best_step}; --patience {cfg.patience})")
-        if save_flag or (cfg.save_interval_updates and finite
-                         and self.step % cfg.save_interval_updates == 0):
-            self._save_into(run)
+        if cfg.save_interval_updates and finite and self.step % cfg.save_interval_updates == 0:
+            self._save_into(run)  # the evenly spaced checkpoints averaging uses
+        elif save_flag:  # by time: with update-spaced saves, only insurance against a crash
+            self._save_into(run, resume_only=bool(cfg.save_interval_updates))
         return bool(stop_flag)
 
     def _count(self, run: _Run, finite: bool, loss: float, nll: float, tokens: int,
@@ -584,10 +592,12 @@ class Trainer:
         window.src_tgt_tokens += st_tokens
         window.updates += 1
 
-    def _save_into(self, run: _Run) -> None:
+    def _save_into(self, run: _Run, resume_only: bool = False) -> None:
         """Save now; remember it in `run`."""
-        run.summary.last_checkpoint = self._save(run.elapsed()) or run.summary.last_checkpoint
-        run.saved_step = self.step
+        run.summary.last_checkpoint = (self._save(run.elapsed(), resume_only)
+                                       or run.summary.last_checkpoint)
+        if not resume_only:  # the end of training still writes a numbered checkpoint
+            run.saved_step = self.step
         run.last_save = time.perf_counter()
 
     def _log_train(self, window: _Window, lr: float, gnorm: float, elapsed: float,

@@ -109,6 +109,16 @@ def write_checkpoint(payload: dict[str, Any], run_dir: Path, keep_last: int) -> 
     return path
 
 
+def write_resume_point(payload: dict[str, Any], run_dir: Path) -> Path:
+    """Save RUN/checkpoint_last.pt alone (atomically), marked `resume_only` in its meta: a
+    crash-insurance save between the update-spaced checkpoints, which resumes a run but is
+    never one of the checkpoints `nmt average --last N` averages (nmt.average skips it)."""
+    path = Path(run_dir) / LAST
+    save_checkpoint({**payload, "meta": {**payload.get("meta", {}), "resume_only": True}},
+                    path)
+    return path
+
+
 def point_last_at(path: Path) -> None:
     """Make RUN/checkpoint_last.pt the same file as `path`, atomically: a hard link renamed
     over the old name (no bytes copied), or a copy where the file system refuses links."""
