@@ -13,6 +13,7 @@ README.md):
     6   checkpoint: unreadable, unsafe, or incompatible checkpoint
     7   training aborted: too many non-finite losses in a row
     8   distributed: a peer process died or timed out
+    75  training preempted (SIGTERM or SIGUSR1): saved at the next update; run it again
     130 interrupted (Ctrl-C)
 """
 
@@ -65,3 +66,11 @@ class DistributedError(NmtError):
     """A peer process of a distributed run died or stopped answering."""
 
     exit_code = 8
+
+
+class Preempted(NmtError):
+    """Training stopped on SIGTERM or SIGUSR1 (a scheduler's preemption notice) after
+    saving at the next update boundary; the same command resumes. 75 is EX_TEMPFAIL:
+    schedulers and wrappers read it as "try again"."""
+
+    exit_code = 75

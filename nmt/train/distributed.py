@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from nmt.errors import DistributedError
+from nmt.errors import DistributedError, Preempted
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -164,9 +164,12 @@ def relaunch(nproc: int, argv: list[str], nnodes: int = 1, rdzv_endpoint: str | 
              rdzv_id: str = "nmt") -> int:
     """Run `python -m cli.main ARGV` under torch.distributed.run with `nproc` per node.
 
-    The children see WORLD_SIZE and so do not relaunch again. Returns torchrun's exit code.
+    The children see WORLD_SIZE and so do not relaunch again. Returns torchrun's exit code;
+    SIGTERM (or SIGUSR1) to this launcher reaches every rank, which saves and stops
+    (nmt.train.preempt), and raises Preempted here.
     """
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = ["--nproc_per_node", str(nproc), "--nnodes", str(nnodes)]
@@ -181,6 +184,10 @@ def relaunch(nproc: int, argv: list[str], nnodes: int = 1, rdzv_endpoint: str | 
         return int(exc.code or 0)
     except ChildFailedError as err:
         return _child_failure_code(err)
+    except SignalException as err:  # torchrun passed the signal on and waited for the ranks
+        raise Preempted(f"the launcher got {err.sigval.name}: every rank saved at its next "
+                        "update and stopped (see above); run the same command to "
+                        "resume") from err
     except Exception as err:
         raise DistributedError(f"a training process failed: {str(err).splitlines()[0]}; "
                                "see its traceback above") from err

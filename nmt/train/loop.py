@@ -50,7 +50,14 @@ from nmt.checkpoint import (
 from nmt.config import ModelConfig, TrainConfig
 from nmt.data.dataset import ParallelData, corpus_ranges, language_pair, load_vocab
 from nmt.device import allow_tf32, resolve_device, set_cuda_allocator_default
-from nmt.errors import CheckpointError, DistributedError, NmtError, TrainingAborted, UsageError
+from nmt.errors import (
+    CheckpointError,
+    DistributedError,
+    NmtError,
+    Preempted,
+    TrainingAborted,
+    UsageError,
+)
 from nmt.host_memory import keep_freed_memory, limit_onednn_cache
 from nmt.model.transformer import Transformer
 from nmt.precision import emulation_note, grad_scaler, resolve_precision
@@ -66,6 +73,7 @@ from nmt.train.ema import WeightAverage
 from nmt.train.feed import Micro, TrainFeed, Update
 from nmt.train.init_from import check_init_from
 from nmt.train.log import JsonlLog, PlainReporter, TrainReporter, warn_line
+from nmt.train.preempt import PreemptionWatch
 from nmt.train.prefetch import Prefetcher
 from nmt.train.sampling import EpochBatches
 from nmt.train.schedule import build_optimizer, build_schedule
@@ -154,6 +162,8 @@ class _Run:
     last_save: float = field(default_factory=time.perf_counter)
     streak: int = 0  # non-finite updates in a row
     window: _Window = field(default_factory=lambda: _Window())
+    watch: PreemptionWatch = field(default_factory=PreemptionWatch)
+    preempted: bool = False  # some rank got SIGTERM/SIGUSR1: saved, stopping
 
     def elapsed(self) -> float:
         """Training seconds in all, this process's included."""
@@ -410,8 +420,8 @@ class Trainer:
                       flags: list[float]) -> tuple[float, float, float, list[float], int, int]:
         """`train_step` over the micro-batches, then the update's one host sync.
 
-        Returns (loss sum, nll sum, grad norm, rank-0 flags, target tokens, src+tgt tokens),
-        all global over ranks.
+        Returns (loss sum, nll sum, grad norm, flags summed over ranks, target tokens,
+        src+tgt tokens), all global over ranks.
         """
         all_ids = np.concatenate(all_batches)
         tgt_tokens = int(self.feed.tgt_cost[all_ids].sum())
@@ -421,7 +431,7 @@ class Trainer:
                           precision=self.precision, loss=self.loss_options,
                           world_size=self.env.world_size, clip_norm=self.cfg.clip_norm)
         stats = torch.stack([step.loss_sum, step.nll_sum])
-        if self.env.active:  # flags are non-zero on rank 0 only: the sum is rank 0's value
+        if self.env.active:  # summed over ranks: a flag any rank raised is raised for all
             stats = torch.cat([stats, self._flags_on_device(flags)])
             torch.distributed.all_reduce(stats)
         gnorm = step.grad_norm.float().reshape(1).to(stats.device)
@@ -482,6 +492,7 @@ class Trainer:
         feed = Prefetcher(self.feed.updates(self.data_state), lambda u: u.micro,
                           self.feed.prepare, enabled=self.prefetch)
         try:
+            run.watch.__enter__()  # SIGTERM/SIGUSR1 from here: save at the next update
             if self.best.exhausted:  # resumed from the checkpoint an early stop wrote
                 run.summary.stopped_early = True
                 self._say(f"early stop at update {self.step} reached before (--patience "
@@ -497,9 +508,10 @@ class Trainer:
                     break
             # Decided from what every rank knows alike, never from files: a rank that looked
             # at RUN while rank 0 was still writing would enter a collective alone.
-            if self.step != run.saved_step or self.step == 0:
+            if (self.step != run.saved_step or self.step == 0) and not run.preempted:
                 self._save_into(run)
         finally:
+            run.watch.__exit__(None, None, None)
             feed.close()
             if self.progress is not None:
                 self.progress.close()
@@ -508,6 +520,11 @@ class Trainer:
             self.net = self.model  # DDP holds the process group: let `shutdown` free it
             shutdown(self.env)
         run.summary.step, run.summary.epoch = self.step, self.data_state.epoch
+        if run.preempted:
+            what = run.watch.requested or "a preemption signal on another rank"
+            saved = run.summary.last_checkpoint or self.run_dir / LAST
+            raise Preempted(f"stopped by {what} at update {self.step}, saved in {saved}; "
+                            "run the same command to resume")
         return run.summary
 
     def _announce(self, run: _Run) -> None:
@@ -541,9 +558,16 @@ class Trainer:
         want_save = (cfg.save_interval_minutes > 0
                      and time.perf_counter() - run.last_save >= cfg.save_interval_minutes * 60)
         want_stop = cfg.max_minutes > 0 and run.elapsed() >= cfg.max_minutes * 60
-        flags = [float(want_save), float(want_stop)] if self.env.is_main else [0., 0.]
-        loss, nll, gnorm, (save_flag, stop_flag), tokens, st_tokens = \
+        # Time-based flags come from rank 0 alone (ranks' clocks differ); a preemption
+        # signal may reach any rank: the all-reduce makes every rank act on it.
+        signalled = float(run.watch.requested is not None)
+        flags = ([float(want_save), float(want_stop), signalled] if self.env.is_main
+                 else [0., 0., signalled])
+        loss, nll, gnorm, (save_flag, stop_flag, preempt_flag), tokens, st_tokens = \
             self._train_update(micro, update.all_batches, flags)
+        if preempt_flag:
+            run.preempted = True
+            save_flag = stop_flag = 1.0
         self.data_state = update.after
         finite = math.isfinite(loss) and math.isfinite(gnorm)
         lr = self.schedule.lr
