@@ -7,6 +7,8 @@
 - gloo, 1 -> 2 and 2 -> 1 processes: the run resumes, --batch-tokens keeps the batch per
   update (update-freq re-derived), and the start-up output says so; DDP wraps the model
   without a buffer broadcast per forward and with gradients as bucket views (item 8).
+- A rank that reads other data or resolves other settings stops every rank at once with
+  one line naming it and the difference (item 4).
 """
 
 from __future__ import annotations
@@ -158,3 +160,56 @@ def test_resume_on_another_number_of_processes_keeps_the_batch(tmp_path: Path, b
     assert [(r["world_size"], r["update_freq"]) for r in records] == \
         [(before, freq[before])] * 3 + [(after, freq[after])] * 3
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+
+
+def mismatch_worker(rank: int, world: int, port: int, data: str, run: str, out: str,
+                    smoothing: float) -> None:
+    """One rank; rank 1 may see another DATA (`data` is per rank: 'a|b') or setting."""
+    from nmt.errors import DistributedError
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    cfg = TrainConfig(**{**_cfg(3).__dict__,
+                         "label_smoothing": smoothing if rank == 1 else 0.1})
+    try:
+        train(data.split("|")[rank], run, MODEL, cfg, "cpu", progress=False)
+        text, code = "trained", 0
+    except DistributedError as err:
+        text, code = str(err), err.exit_code
+    Path(out, f"rank{rank}.txt").write_text(text)
+    sys.exit(code)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "expected"), [
+    ("settings", "rank 1 differs from rank 0 in its settings: label_smoothing (0.2 vs 0.1)"),
+    ("data", "rank 1 differs from rank 0 in its train split (pairs, source tokens, target "
+             "tokens) ([199, "),
+])
+def test_a_rank_that_sees_other_data_or_settings_stops_every_rank(tmp_path: Path, case: str,
+                                                                  expected: str) -> None:
+    """Rank 0 and rank 1 compare what they read and resolved before training: one line,
+    exit 8 on both, at once (before: a hang in a collective, or silently mixed runs)."""
+    import time
+
+    data = make_copy_data(tmp_path / "data", n_train=200, n_valid=20)
+    other = data if case == "settings" else make_copy_data(tmp_path / "other", n_train=199,
+                                                           n_valid=20)
+    port, run = _free_port(), tmp_path / "run"
+    start = time.monotonic()
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", "from test_train_resume_world import mismatch_worker; "
+         f"mismatch_worker({rank}, 2, {port}, {str(data) + '|' + str(other)!r}, "
+         f"{str(run)!r}, {str(tmp_path)!r}, {0.2 if case == 'settings' else 0.1})"],
+        cwd=Path(__file__).parent, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parent), str(REPO)])},
+        stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 8, err[-3000:]
+    assert time.monotonic() - start < 60
+    for rank in (0, 1):
+        text = (tmp_path / f"rank{rank}.txt").read_text()
+        assert text.startswith(expected) and "\n" not in text, text
+    assert not list(run.glob("checkpoint_*.pt"))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import math
 import random
 import time
@@ -213,6 +214,7 @@ class Trainer:
         self.batching = derive_batching(train_cfg, self.env.world_size)
         self.update_freq = self.batching.update_freq
         self._build_model()
+        self._check_ranks_agree()
         self.ema = WeightAverage(self.model, train_cfg.ema_decay) if train_cfg.ema_decay \
             else None
         self.best = BestTracker(train_cfg.best_metric, train_cfg.patience)
@@ -302,23 +304,69 @@ class Trainer:
             allow_tf32(self.device)
         self.scaler = grad_scaler(self.device, enabled=self.precision == "fp16")
 
+    def _fingerprint(self) -> dict[str, Any]:
+        """What every rank must see alike: resolved settings and precision, data sizes,
+        vocabulary. Another DATA, recipe, flag or GPU type on one node would otherwise take
+        a different sequence of collectives (a hang until the timeout) or mix fp16 and
+        bf16 gradients silently."""
+
+        def sizes(data: ParallelData | None) -> list[int] | None:
+            if data is None:
+                return None
+            return [len(data), int(data.src.lengths.sum()), int(data.tgt.lengths.sum())]
+
+        return {
+            "model config": self.model_cfg.to_dict(), "settings": self.cfg.to_dict(),
+            "precision": self.precision, "device type": self.device.type,
+            "train split (pairs, source tokens, target tokens)": sizes(self.train_data),
+            "valid split (pairs, source tokens, target tokens)": sizes(self.valid_data),
+            "vocabulary sha256": hashlib.sha256(self.vocab.proto).hexdigest(),
+        }
+
+    def _check_ranks_agree(self) -> None:
+        """Compare every rank's fingerprint with rank 0's; the first difference stops every
+        rank at once with one line naming the rank and what differs (exit 8)."""
+        prints = gather_objects(self.env, self._fingerprint())
+        for rank, other in enumerate(prints[1:], start=1):
+            for key, value in other.items():
+                mine = prints[0][key]
+                if value == mine:
+                    continue
+                if isinstance(value, dict) and isinstance(mine, dict):
+                    field_ = next(k for k in sorted(set(value) | set(mine))
+                                  if value.get(k) != mine.get(k))
+                    key, value, mine = f"{key}: {field_}", value.get(field_), mine.get(field_)
+                raise DistributedError(
+                    f"rank {rank} differs from rank 0 in its {key} ({value!r} vs {mine!r}); "
+                    "every rank must see the same DATA, recipe, flags and GPU type")
+
     def _resume(self) -> None:
         """Continue from RUN/checkpoint_last.pt if rank 0 has one; every rank follows.
 
-        Rank 0 alone decides from its disk and broadcasts the update it resumes from; each
-        rank then loads that file onto the CPU (memory-mapped) and restores its own RNG
-        stream. A rank that cannot read it, or finds another update there (a run directory
-        that is not shared between nodes), stops every rank with one line (exit 8) instead
-        of training from a different state.
+        Rank 0 alone decides from its disk and broadcasts the update it resumes from and the
+        file that holds it: the immutable RUN/checkpoint_N.pt where there is one (another
+        node re-opening checkpoint_last.pt could be shown the previous file by NFS's
+        attribute cache), else checkpoint_last.pt (a resume point alone). Each rank then
+        loads that file onto the CPU (memory-mapped) and restores its own RNG stream. A rank
+        that cannot read it, or finds another update there (a run directory that is not
+        shared between nodes), stops every rank with one line (exit 8) instead of training
+        from a different state.
         """
         last = self.run_dir / LAST
         payload: dict[str, Any] | None = None
+        point = None
         if self.env.is_main and last.is_file():
             payload = load_checkpoint(last, map_location="cpu", mmap=True)
             _check_resume(payload, self.model_cfg, last)
-        step = broadcast_object(self.env, None if payload is None else int(payload["step"]))
-        if step is None:
+            numbered = self.run_dir / f"checkpoint_{int(payload['step'])}.pt"
+            name = LAST if (payload.get("meta") or {}).get("resume_only") \
+                or not numbered.is_file() else numbered.name
+            point = (int(payload["step"]), name)
+        point = broadcast_object(self.env, point)
+        if point is None:
             return
+        step, name = point
+        last = self.run_dir / name
         if not self.env.is_main:
             payload, problem = _read_resume_point(last, step)
         else:
