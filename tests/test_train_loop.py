@@ -93,6 +93,29 @@ def test_saves_by_updates_keep_the_averaging_spacing(copy_data, tmp_path):
     assert resumed.resumed_from == 9 and resumed.step == 10
 
 
+def test_log_says_what_an_update_really_held(copy_data, tmp_path):
+    """--batch-tokens counts padded slots of the longer side; the log gives the real
+    (non-padding, EOS included) source and target tokens per update beside it."""
+    import io
+
+    from nmt.data.dataset import ParallelData
+    from nmt.train.log import PlainReporter
+
+    torch.set_num_threads(1)
+    out = io.StringIO()
+    train(copy_data, tmp_path / "r", MODEL, _cfg(max_updates=3, log_interval=3), "cpu",
+          progress=PlainReporter(out))
+    record = [r for r in read_jsonl(tmp_path / "r" / "train_log.jsonl")
+              if r["kind"] == "train"][0]
+    assert record["target_tokens_per_update"] == round(record["target_tokens"] / 3)
+    data = ParallelData.open(copy_data, "train")
+    mean_ratio = (data.src.lengths + 1).sum() / (data.tgt.lengths + 1).sum()
+    assert 0.5 * mean_ratio < record["source_tokens_per_update"] / \
+        record["target_tokens_per_update"] < 2 * mean_ratio
+    assert (f"| tok/update {record['source_tokens_per_update']}+"
+            f"{record['target_tokens_per_update']} |") in out.getvalue()
+
+
 def test_resume_refuses_other_model(copy_data, tmp_path):
     train(copy_data, tmp_path / "r", MODEL, _cfg(max_updates=1), "cpu", progress=False)
     with pytest.raises(CheckpointError, match="different model config"):

@@ -113,9 +113,13 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def _fmt(record: dict[str, Any]) -> str:
+    per_update = (f"| tok/update {record['source_tokens_per_update']}+"
+                  f"{record['target_tokens_per_update']} "
+                  if "target_tokens_per_update" in record else "")
     return (f"update {record['step']} | epoch {record['epoch']} | loss {record['loss']:.3f} "
             f"| ppl {record['ppl']:.2f} | lr {record['lr']:.3g} "
-            f"| tok/s {record['tokens_per_s']:.0f} | {record['elapsed_minutes']:.1f} min")
+            f"| tok/s {record['tokens_per_s']:.0f} {per_update}"
+            f"| {record['elapsed_minutes']:.1f} min")
 
 
 class TrainReporter(Protocol):

@@ -179,6 +179,7 @@ class _Window:
     nll: float = 0.0
     tokens: int = 0  # target tokens (loss normaliser)
     src_tgt_tokens: int = 0  # non-padding source + target tokens (throughput)
+    update_tgt_tokens: int = 0  # non-padding target tokens of every update, skipped ones too
     updates: int = 0
     start: float = field(default_factory=time.perf_counter)
 
@@ -662,6 +663,7 @@ class Trainer:
                     f"stopped at update {self.step} (last checkpoint intact); lower "
                     "--lr-scale, use --clip-norm or --precision bf16/fp32")
         window.src_tgt_tokens += st_tokens
+        window.update_tgt_tokens += tokens
         window.updates += 1
 
     def _save_into(self, run: _Run, resume_only: bool = False) -> None:
@@ -683,6 +685,11 @@ class Trainer:
             "loss": window.loss / window.tokens, "nll": nll, "ppl": math.exp(min(nll, 50.0)),
             "lr": lr, "grad_norm": gnorm, "tokens_per_s": window.src_tgt_tokens / seconds,
             "target_tokens": window.tokens, "updates": window.updates,
+            # What an update really held (EOS included, no padding): --batch-tokens counts
+            # padded slots of the longer side, so these come out below it.
+            "source_tokens_per_update": round(
+                (window.src_tgt_tokens - window.update_tgt_tokens) / window.updates),
+            "target_tokens_per_update": round(window.update_tgt_tokens / window.updates),
             "update_freq": self.update_freq, "world_size": self.env.world_size,
             "skipped_updates": summary.skipped_updates, "skipped_pairs": summary.skipped_pairs,
             "loss_scale": self.scaler.get_scale() if self.scaler.is_enabled() else None,
