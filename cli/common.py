@@ -94,13 +94,7 @@ def model_files(command: str, paths: list[Path]) -> list[Path]:
     """The checkpoint files `-m` names: a run directory becomes its average.pt, else
     checkpoint_best.pt, else checkpoint_last.pt (nmt.checkpoint.resolve_model_path), and
     the choice is said on stderr."""
-    from nmt.checkpoint import resolve_model_path
+    from nmt.checkpoint import resolve_model_paths
 
-    files = []
-    for path in paths:
-        file, resolved = resolve_model_path(path)
-        if resolved:
-            console.print(f"nmt {command}: -m {path}: using {file}", markup=False,
-                          soft_wrap=True)
-        files.append(file)
-    return files
+    return resolve_model_paths(paths, lambda given, file: console.print(
+        f"nmt {command}: -m {given}: using {file}", markup=False, soft_wrap=True))

@@ -93,7 +93,7 @@ class Translator:
         for the whole process (None: leave torch's setting)."""
         import torch
 
-        from nmt.checkpoint import resolve_model_path
+        from nmt.checkpoint import resolve_model_paths
         from nmt.inference.translate import Translator as Engine
 
         if threads is not None:
@@ -101,12 +101,8 @@ class Translator:
                 raise UsageError(f"threads must be >= 1, got {threads}")
             torch.set_num_threads(threads)
         given = [path] if isinstance(path, str | Path) else list(path)
-        files = []
-        for item in given:
-            file, resolved = resolve_model_path(Path(item))
-            if resolved and not quiet:
-                print(f"nmt: {item}: using {file}", file=sys.stderr)
-            files.append(file)
+        files = resolve_model_paths([Path(p) for p in given], lambda item, file: quiet or print(
+            f"nmt: {item}: using {file}", file=sys.stderr))
         engine = Engine.load(files, _D, device=device, precision=precision,
                              weights=weights)
         return cls(engine, files, _languages(files[0]))
@@ -172,7 +168,10 @@ class Translator:
                            temperature=temperature, top_k=top_k, top_p=top_p,
                            max_tokens=max_tokens, buffer_size=buffer_size)
         results = []
-        with self._lock, _EngineSettings(self._engine, cfg, seed, max_src_len) as engine:
+        with self._lock:
+            engine = self._engine.configured(cfg, max_src_len, name="max_src_len")
+            if seed is not None:
+                engine.generator.manual_seed(seed)
             for start in range(0, len(texts), cfg.buffer_size):  # as nmt translate buffers
                 end = start + cfg.buffer_size
                 prefixes = None if target_prefix is None else list(target_prefix[start:end])
@@ -204,30 +203,6 @@ class Translator:
             tgt_ids = engine.vocab.encode(tgt_texts) if tgt_texts else []
             scored = score_ids(engine, src_ids, tgt_ids, max_tokens)
         return [ScoreResult(lp, n, lp / n) for lp, n in scored]
-
-
-class _EngineSettings:
-    """Give the engine one call's search settings, and its own back afterwards."""
-
-    def __init__(self, engine: Engine, cfg: DecodeConfig, seed: int | None,
-                 max_src_len: int | None) -> None:
-        self.engine, self.cfg, self.seed, self.max_src_len = engine, cfg, seed, max_src_len
-
-    def __enter__(self) -> Engine:
-        engine = self.engine
-        limit = engine.max_positions - 1
-        if self.max_src_len is not None and not 0 < self.max_src_len <= limit:
-            raise UsageError(f"max_src_len must be in 1..{limit} (the model's positions "
-                             f"minus EOS), got {self.max_src_len}")
-        self.saved = engine.cfg, engine.max_src_len
-        engine.cfg = self.cfg
-        engine.max_src_len = self.max_src_len or limit
-        if self.seed is not None:
-            engine.generator.manual_seed(self.seed)
-        return engine
-
-    def __exit__(self, *exc: object) -> None:
-        self.engine.cfg, self.engine.max_src_len = self.saved
 
 
 def _languages(path: Path) -> tuple[str, str]:

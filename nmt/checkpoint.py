@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 import zipfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -112,6 +113,19 @@ def resolve_model_path(path: Path) -> tuple[Path, bool]:
             return path / name, True
     raise DataError(f"{path}: a directory with no model in it (looked for "
                     f"{', '.join(RUN_MODEL_FILES)}); pass a checkpoint file or a run directory")
+
+
+def resolve_model_paths(paths: Sequence[Path], say: Callable[[Path, Path], object]
+                        ) -> list[Path]:
+    """The checkpoint file of each path (`resolve_model_path`); `say(given, chosen)` is
+    called for every run directory resolved, so the caller can tell the user which file."""
+    files = []
+    for path in paths:
+        file, resolved = resolve_model_path(Path(path))
+        if resolved:
+            say(Path(path), file)
+        files.append(file)
+    return files
 
 
 def load_checkpoint(path: Path, map_location: str | torch.device = "cpu",

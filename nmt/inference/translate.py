@@ -11,6 +11,7 @@ caller's `warn` callback.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
@@ -87,17 +88,30 @@ class Translator:
         # Decoder positions 0..max_len are used (BOS + max_len pieces), the encoder's
         # 0..len (pieces + EOS): both must stay below every model's max_positions.
         self.max_positions = min(m.cfg.max_positions for m in self.models)
-        limit = self.max_positions - 1
-        if max_src_len is not None and not 0 < max_src_len <= limit:
-            raise UsageError(f"--max-src-len must be in 1..{limit} (the model's positions "
-                             f"minus EOS), got {max_src_len}")
-        self.max_src_len = max_src_len if max_src_len is not None else limit
+        self.max_src_len = self.source_limit(max_src_len)
         self.generator = torch.Generator(device=device).manual_seed(seed)
         # One per model, for as long as this translator lives: each batch's decoder reuses
         # the memory the previous batch's left (and the packed output projection).
         projections = list(projections) if projections else [None] * len(self.models)
         self.workspaces = [DecodingWorkspace(m, p)
                            for m, p in zip(self.models, projections, strict=True)]
+
+    def source_limit(self, max_src_len: int | None, name: str = "--max-src-len") -> int:
+        """Source pieces kept per line: `max_src_len`, checked against the models'
+        positions (UsageError naming the option `name`), or the most they take."""
+        limit = self.max_positions - 1
+        if max_src_len is not None and not 0 < max_src_len <= limit:
+            raise UsageError(f"{name} must be in 1..{limit} (the model's positions minus "
+                             f"EOS), got {max_src_len}")
+        return max_src_len if max_src_len is not None else limit
+
+    def configured(self, cfg: DecodeConfig, max_src_len: int | None = None,
+                   name: str = "--max-src-len") -> Translator:
+        """This translator with other search settings: a shallow copy sharing the models,
+        their workspaces and the sampling generator, so use one of the two at a time."""
+        other = copy.copy(self)
+        other.cfg, other.max_src_len = cfg, self.source_limit(max_src_len, name)
+        return other
 
     @classmethod
     def load(cls, paths: Sequence[Path], cfg: DecodeConfig, device: str = _R.device,

@@ -541,26 +541,25 @@ class Trainer:
         feed = Prefetcher(self.feed.updates(self.data_state), lambda u: u.micro,
                           self.feed.prepare, enabled=self.prefetch)
         try:
-            run.watch.__enter__()  # SIGTERM/SIGUSR1 from here: save at the next update
-            if self.best.exhausted:  # resumed from the checkpoint an early stop wrote
-                run.summary.stopped_early = True
-                self._say(f"early stop at update {self.step} reached before (--patience "
-                          f"{self.cfg.patience}: best {self.best.metric} at update "
-                          f"{self.best.best_step}); nothing to train")
-            while self.step < self.cfg.max_updates and not run.summary.stopped_early:
-                nxt = feed.next()
-                if nxt is None:
-                    if self.feed.epoch_end is not None:
-                        self.data_state = self.feed.epoch_end  # past the last epoch
-                    break  # --max-epochs reached
-                if self._run_update(*nxt, run):
-                    break
-            # Decided from what every rank knows alike, never from files: a rank that looked
-            # at RUN while rank 0 was still writing would enter a collective alone.
-            if (self.step != run.saved_step or self.step == 0) and not run.preempted:
-                self._save_into(run)
+            with run.watch:  # SIGTERM/SIGUSR1 from here on: save at the next update
+                if self.best.exhausted:  # resumed from the checkpoint an early stop wrote
+                    run.summary.stopped_early = True
+                    self._say(f"early stop at update {self.step} reached before (--patience "
+                              f"{self.cfg.patience}: best {self.best.metric} at update "
+                              f"{self.best.best_step}); nothing to train")
+                while self.step < self.cfg.max_updates and not run.summary.stopped_early:
+                    nxt = feed.next()
+                    if nxt is None:
+                        if self.feed.epoch_end is not None:
+                            self.data_state = self.feed.epoch_end  # past the last epoch
+                        break  # --max-epochs reached
+                    if self._run_update(*nxt, run):
+                        break
+                # Decided from what every rank knows alike, never from files: a rank that looked
+                # at RUN while rank 0 was still writing would enter a collective alone.
+                if (self.step != run.saved_step or self.step == 0) and not run.preempted:
+                    self._save_into(run)
         finally:
-            run.watch.__exit__(None, None, None)
             feed.close()
             if self.progress is not None:
                 self.progress.close()

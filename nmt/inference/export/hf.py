@@ -26,8 +26,10 @@ learned positions, and per-head sizes d_k, d_v other than d_model / heads.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -102,9 +104,25 @@ def import_transformers() -> Any:
         import transformers
     except ImportError as err:
         raise UsageError(INSTALL_HINT) from err
-    transformers.utils.logging.set_verbosity_error()  # our own messages say what happened
-    transformers.utils.logging.disable_progress_bar()
     return transformers
+
+
+@contextlib.contextmanager
+def _quiet(transformers: Any) -> Iterator[None]:
+    """transformers' warnings and progress bars off while exporting (our own messages say
+    what happened), and back as they were afterwards: a library caller keeps its settings."""
+    logging = transformers.utils.logging
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. notes on generation settings
+            yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
 
 
 def check_expressible(model: Any) -> None:
@@ -260,22 +278,22 @@ def export_hf(checkpoint: Path, output: Path, force: bool = False) -> Path:
     check_expressible(exported.model)
     source, target = language_pair(exported)
     max_length = min(exported.model.cfg.max_positions, 512)
-    model = transformers.MarianMTModel(marian_config(transformers, exported)).eval()
-    missing, unexpected = model.load_state_dict(marian_state_dict(exported.model),
-                                                strict=False)
-    if missing or unexpected:
-        raise CheckpointError(f"{checkpoint}: the Marian mapping left out {missing} / did "
-                              f"not place {unexpected}; please report this")
-    model.generation_config = generation_config(transformers, exported, max_length)
-    with temp_dir(output.absolute().parent, output.name) as tmp, warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # transformers' notes on generation settings
-        directory = tmp / "model"
-        model.save_pretrained(directory, safe_serialization=True)
-        write_tokenizer(directory, exported, source, target, max_length)
-        (directory / "README.md").write_text(CARD.format(
-            name=output.name, pair=f"{source or '?'} -> {target or '?'}",
-            languages=f"language: [{source}, {target}]\n" if source and target else "",
-            checkpoint=Path(checkpoint).name, story="\n".join(training_story(exported)),
-            max_length=max_length), encoding="utf-8")
-        replace_dir(directory, output, tmp)
+    with _quiet(transformers):
+        model = transformers.MarianMTModel(marian_config(transformers, exported)).eval()
+        missing, unexpected = model.load_state_dict(marian_state_dict(exported.model),
+                                                    strict=False)
+        if missing or unexpected:
+            raise CheckpointError(f"{checkpoint}: the Marian mapping left out {missing} / "
+                                  f"did not place {unexpected}; please report this")
+        model.generation_config = generation_config(transformers, exported, max_length)
+        with temp_dir(output.absolute().parent, output.name) as tmp:
+            directory = tmp / "model"
+            model.save_pretrained(directory, safe_serialization=True)
+            write_tokenizer(directory, exported, source, target, max_length)
+            (directory / "README.md").write_text(CARD.format(
+                name=output.name, pair=f"{source or '?'} -> {target or '?'}",
+                languages=f"language: [{source}, {target}]\n" if source and target else "",
+                checkpoint=Path(checkpoint).name, story="\n".join(training_story(exported)),
+                max_length=max_length), encoding="utf-8")
+            replace_dir(directory, output, tmp)
     return output
