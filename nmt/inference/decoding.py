@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from nmt.config import DecodeConfig
-from nmt.inference.kv_cache import GroupedCache
+from nmt.inference.kv_cache import GroupedCache, Regroup
 from nmt.inference.packed_linear import PackedLinear, is_packed
 from nmt.inference.plain_cache import PlainCache
 from nmt.inference.search import beam_search, greedy_decode, max_output_lengths
@@ -53,7 +53,7 @@ class DecodingCache(Protocol):
 
     def layers(self, live: Tensor | None = None) -> Sequence[LayerCache]: ...
 
-    def reorder(self, new_order: Tensor) -> DecodingCache: ...
+    def reorder(self, new_order: Tensor, layout: Regroup | None = None) -> DecodingCache: ...
 
     def reserve(self, positions: int) -> None: ...
 
@@ -184,6 +184,7 @@ class ModelStepDecoder:
         self.projection = None if workspace is None else workspace.projection
         self._workspace = workspace if src.device.type == "cpu" else None
         self._logits = self._workspace.take() if self._workspace is not None else None
+        self._layout: Regroup | None = None  # what `regroup` tells the next `reorder`
 
     def __enter__(self) -> ModelStepDecoder:
         return self
@@ -220,8 +221,18 @@ class ModelStepDecoder:
         self.state.reserve(positions)
 
     def reorder(self, new_order: Tensor) -> None:
-        """Select/duplicate rows of the key/value cache and the encoder mask."""
-        self.state = self.state.reorder(new_order)
+        """Select/duplicate rows of the key/value cache and the encoder mask (with the
+        layout `regroup` announced, when it did)."""
+        layout, self._layout = self._layout, None
+        self.state = self.state.reorder(new_order, layout)
+
+    def regroup(self, new_order: Tensor, group_size: int, source: Tensor | None) -> None:
+        """`reorder` with its layout (the search's `regroup`, nmt/inference/search.py):
+        the cache takes it from `Regroup(group_size, source)` instead of reading the order
+        back to the host (two syncs per reorder on a GPU). Goes through `reorder`, the one
+        place the state is replaced, so whatever wraps `reorder` sees every reorder."""
+        self._layout = Regroup(group_size, source)
+        self.reorder(new_order)
 
     def _out(self, rows: int) -> Tensor | None:
         """The reused logits buffer, grown to at least `rows` rows (model dtype); None when

@@ -13,6 +13,11 @@ ancestry table (which slot holds each row's key at each position) that becomes t
 attention mask (`slot_mask`). Whole groups are copied only when sentences leave (shrink)
 or the layout changes; using a state after `reorder` consumed it raises.
 
+Host syncs: finding the layout of an arbitrary order means reading it back (two reads), so
+a caller that knows it (beam search always does) says so with a `Regroup` and the reorder
+reads nothing; NMT_CHECK_LAYOUT=1 (or `CHECK_LAYOUT`) verifies every such promise, at the
+price of those reads.
+
 Memory: buffers are plain tensors, freed when no state holds them. There is no pool of
 our own: on CPU the translator keeps glibc from unmapping freed blocks
 (nmt/host_memory.py), so the next batch's caches land on pages already mapped. (A pool
@@ -26,12 +31,27 @@ capacities never exceed `limit`, the model's positions (see nmt/inference/decodi
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 INITIAL_CAPACITY = 16  # target positions preallocated by a new state; doubled when full
+# Verify each `Regroup` against the order (two host syncs per reorder): a debugging aid.
+CHECK_LAYOUT = os.environ.get("NMT_CHECK_LAYOUT", "0") == "1"
+
+
+class Regroup(NamedTuple):
+    """What the caller of `GroupedCache.reorder` knows about its order, so that the cache
+    need not read the order back to the host to find its layout: every `size` consecutive
+    new rows come from one old group, new group i from old group `source[i]` (`source`
+    (groups',) long, on the order's device), or from old group i when `source` is None
+    (every old group kept, in place). Trusted as given (see CHECK_LAYOUT)."""
+
+    size: int
+    source: Tensor | None = None
 
 
 @dataclass
@@ -138,7 +158,7 @@ class GroupedCache:
         ancestry[:, :, :used] = self.ancestry[:, :, :used]
         self.ancestry = ancestry
 
-    def reorder(self, new_order: Tensor) -> GroupedCache:
+    def reorder(self, new_order: Tensor, layout: Regroup | None = None) -> GroupedCache:
         """A state whose row j is row new_order[j] of this one (beam reordering, B -> B*beam
         expansion with `arange(B).repeat_interleave(beam)`, dropping sentences, or any
         other selection).
@@ -147,19 +167,24 @@ class GroupedCache:
         one old group: then only the ancestry table is permuted, and K/V are copied only
         for groups that move (shrinking, permuting sentences). Expanding g = 1 rows into
         blocks of k copies of one row makes groups of k. Anything else falls back to one
-        row per group, each row's own history gathered. Deciding costs one host sync. This
-        state is consumed: the returned one may share its buffers, so any later use of
-        this one raises RuntimeError.
+        row per group, each row's own history gathered. Deciding costs two host syncs,
+        none when the caller gives the `layout` (see `Regroup`). This state is consumed:
+        the returned one may share its buffers, so any later use of this one raises
+        RuntimeError.
         """
         self.check_live()
         self.consumed = True
         g, groups, used = self.group_size, self.ancestry.size(0), self.step
         group_of = torch.div(new_order, g, rounding_mode="floor")  # (n',) old group
-        new_g = _group_size(group_of, g, self.rows, new_order.numel(), groups)
-        src = group_of.view(-1, new_g)[:, 0]  # (groups',) old group of each new group
-        same_groups = src.numel() == groups and bool(torch.equal(src, torch.arange(
-            groups, device=src.device)))
-        if same_groups:
+        if layout is None:
+            new_g, src = self._find_layout(group_of, new_order.numel())
+        else:
+            new_g, src = _check_layout(layout, new_order.numel(), groups)
+            if CHECK_LAYOUT:
+                _verify_layout(layout, self._find_layout(group_of, new_order.numel()),
+                               groups)
+        new_groups = new_order.numel() // new_g  # groups'
+        if src is None:  # the same groups in the same places: encoder side unchanged
             cross_k, cross_v = self.cross_k, self.cross_v
             padding_mask, cross_mask = self.padding_mask, self.cross_mask
         else:
@@ -173,23 +198,34 @@ class GroupedCache:
             ancestry = self.ancestry.view(-1, cap).index_select(0, new_order)
             ancestry = ancestry.view(-1, g, cap)  # (groups', g, capacity)
             self_k, self_v = self.self_k, self.self_v
-            if not same_groups:  # copy the groups that stay
+            if src is not None:  # copy the groups that stay
                 self_k = [_take_groups(c, src, used) for c in self_k]
                 self_v = [_take_groups(c, src, used) for c in self_v]
         else:  # new layout: every row's own history gathered into its own slot
-            self_k, self_v = _empty_caches(self.self_k, self.self_v, src.numel(), cap, new_g)
+            self_k, self_v = _empty_caches(self.self_k, self.self_v, new_groups, cap, new_g)
             if used:
                 slot_of = self.ancestry.view(-1, cap)[:, :used].index_select(0, new_order)
                 for old, new in zip(self.self_k + self.self_v, self_k + self_v, strict=True):
                     _gather_history(old, new, group_of, slot_of, new_g)
             ancestry = torch.arange(new_g, device=new_order.device)  # (g',)
-            ancestry = ancestry.view(1, new_g, 1).expand(src.numel(), new_g, cap).clone()
+            ancestry = ancestry.view(1, new_g, 1).expand(new_groups, new_g, cap).clone()
         attention = (None if self.attention is None
                      else self.attention.index_select(0, new_order))
         return GroupedCache(cross_k=cross_k, cross_v=cross_v, padding_mask=padding_mask,
                             cross_mask=cross_mask, self_k=self_k, self_v=self_v,
                             ancestry=ancestry, limit=self.limit, group_size=new_g, step=used,
                             attention_layer=self.attention_layer, attention=attention)
+
+    def _find_layout(self, group_of: Tensor, n_new: int) -> tuple[int, Tensor | None]:
+        """The layout of an order whose new row j comes from old group group_of[j] (n',):
+        rows per new group and the old group of each new group, None when that is every
+        old group in place. Reads the order back: two host syncs."""
+        groups = self.ancestry.size(0)
+        new_g = _group_size(group_of, self.group_size, self.rows, n_new, groups)
+        src = group_of.view(-1, new_g)[:, 0]  # (groups',) old group of each new group
+        same_groups = src.numel() == groups and bool(torch.equal(src, torch.arange(
+            groups, device=src.device)))
+        return new_g, None if same_groups else src
 
 
 class _GroupedLayer:
@@ -259,6 +295,31 @@ def _group_size(group_of: Tensor, g: int, rows: int, n_new: int, groups: int) ->
         return 1
     blocks = group_of.view(-1, candidate)  # (groups', candidate)
     return candidate if bool((blocks == blocks[:, :1]).all()) else 1
+
+
+def _check_layout(layout: Regroup, n_new: int, groups: int) -> tuple[int, Tensor | None]:
+    """`layout`'s rows per group and source groups, after the checks the host can make
+    from sizes alone (ValueError): whole groups, and as many as `groups` (the old count)
+    when they stay in place."""
+    size, source = layout
+    want = groups if source is None else source.numel()
+    if size < 1 or n_new != want * size:
+        raise ValueError(f"a reorder of {n_new} rows does not make {want} groups of {size}")
+    return size, source
+
+
+def _verify_layout(layout: Regroup, found: tuple[int, Tensor | None], groups: int) -> None:
+    """Raise RuntimeError unless the layout a caller promised is the one its order has
+    (`found`, from `GroupedCache._find_layout`; `groups` the old count, None sources
+    standing for all of them in place)."""
+    size, source = found
+    in_place = torch.arange(groups)
+    want = in_place if layout.source is None else layout.source.cpu()
+    got = in_place if source is None else source.cpu()
+    if size != layout.size or not torch.equal(got, want):
+        raise RuntimeError(f"reorder promised groups of {layout.size} from old groups "
+                           f"{want.tolist()}, but its order makes groups of {size} from "
+                           f"{got.tolist()}")
 
 
 def _take_groups(cache: Tensor, src: Tensor, used: int) -> Tensor:

@@ -69,8 +69,11 @@ class PlainCache:
             raise RuntimeError("this decoder state was consumed by reorder; "
                                "use the state it returned")
 
-    def reorder(self, new_order: Tensor) -> PlainCache:
-        """A state whose row j is row new_order[j] of this one; this one is consumed."""
+    def reorder(self, new_order: Tensor, layout: object = None) -> PlainCache:
+        """A state whose row j is row new_order[j] of this one; this one is consumed.
+        `layout` (the fast cache's `kv_cache.Regroup` hint) is ignored: one row per entry,
+        nothing to find out (no host sync), and this reference cache stays standalone."""
+        del layout
         self.check_live()
         self.consumed = True
 

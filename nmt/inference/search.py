@@ -20,10 +20,20 @@ Conventions (documented in `nmt translate --help`):
   model's lone EOS, log P / 1, can outscore every real sentence, whose penalty divides
   a larger log P by lp > 1). The maximum length wins where the two conflict.
 - PAD and BOS are never generated.
+
+Host syncs: on a GPU every read of a device value by the host (`.item()`, `.tolist()`,
+`bool(t)`, `nonzero`, `torch.equal`, a copy from the host) waits for all queued work. A
+search reads its device state once per step, one small `.tolist()` or `bool`, which it
+cannot do without (it must learn which sentences are done), plus a few reads per search
+(the length budgets at the start, the results at the end). Everything else it decides on
+the host from what it already knows (step number, budgets, which rows are left), and it
+tells the decoder the layout of each reorder (`regroup`) so the cache need not read it
+back. tests/test_search_syncs.py counts them.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -51,9 +61,11 @@ class Hypothesis:
 class StepDecoder(Protocol):
     """Incremental next-token scorer over N rows (the search's only view of a model).
 
-    Two optional methods are used when present: `step_rows(tokens, rows, n_rows)` feeds
+    Three optional methods are used when present: `step_rows(tokens, rows, n_rows)` feeds
     only some rows (see `step_rows`), `reserve(positions)` announces how many tokens at
-    most will be fed (the model adapter preallocates its caches)."""
+    most will be fed (the model adapter preallocates its caches), and
+    `regroup(new_order, group_size, source)` is `reorder` told the order's layout (see
+    `regroup`)."""
 
     def step(self, tokens: Tensor) -> Tensor:
         """Feed the newest token of each row, (N,) long -> log-probs (N, V) float32."""
@@ -96,6 +108,11 @@ class EnsembleStepDecoder:
         for decoder in self.decoders:
             decoder.reorder(new_order)
 
+    def regroup(self, new_order: Tensor, group_size: int, source: Tensor | None) -> None:
+        """Reorder every member the same way, telling each the layout (see `regroup`)."""
+        for decoder in self.decoders:
+            regroup(decoder, new_order, group_size, source)
+
     def reserve(self, positions: int) -> None:
         """Pass the length limit on to every member that can use it."""
         for decoder in self.decoders:
@@ -117,6 +134,24 @@ def step_rows(decoder: StepDecoder, tokens: Tensor, rows: Tensor, n_rows: int) -
     return decoder.step(full).index_select(0, rows)  # (m, V)
 
 
+def regroup(decoder: StepDecoder, new_order: Tensor, group_size: int,
+            source: Tensor | None) -> None:
+    """`decoder.reorder(new_order)` for an order whose layout the caller knows: the decoder's
+    rows form groups (a sentence's rows: one before beam search's expansion, `beam` after),
+    and every `group_size` consecutive new rows come from one old group, new group i from
+    old group `source[i]` ((groups',) long), or from old group i when `source` is None
+    (every group kept, in place).
+
+    Uses the decoder's own `regroup` when it has one (the model's cache then need not read
+    the order back to find its layout: two host syncs a reorder on a GPU), else `reorder`.
+    """
+    own = getattr(decoder, "regroup", None)
+    if own is not None:
+        own(new_order, group_size, source)
+    else:
+        decoder.reorder(new_order)
+
+
 def _reserve(decoder: StepDecoder, positions: int) -> None:
     """Tell a decoder that at most `positions` tokens will be fed, when it can use that
     (the model adapter preallocates its caches; an ensemble tells its members)."""
@@ -128,6 +163,26 @@ def _reserve(decoder: StepDecoder, positions: int) -> None:
 def length_penalty(length: Tensor | float, alpha: float) -> Tensor:
     """GNMT length penalty ((5 + |Y|) / 6) ** alpha (1 when alpha is 0)."""
     return ((5.0 + torch.as_tensor(length, dtype=torch.float32)) / 6.0) ** alpha
+
+
+@functools.lru_cache(maxsize=32)
+def penalty_table(alpha: float, size: int, device: torch.device) -> Tensor:
+    """(size,) float32 on `device`: entry n is `length_penalty(n, alpha)`, bit for bit.
+
+    Built one length at a time on the host (a search divides by it every step; it used
+    to compute the one length it needed and copy it to the device, a host sync per step
+    on a GPU). Not one vectorised call: torch's vectorised pow can differ from its
+    scalar pow in the last bit, and the scores must not change. Cached (never written
+    to), and a normal tensor even under inference_mode (see `_later_keys` in
+    nmt/model/attention.py)."""
+    with torch.inference_mode(False):
+        return torch.stack([length_penalty(n, alpha) for n in range(size)]).to(device)
+
+
+def _penalties(alpha: float, size: int, device: torch.device) -> Tensor:
+    """`penalty_table` with at least `size` entries, from a cache bucketed by powers of
+    two so that batches of other lengths share it."""
+    return penalty_table(alpha, 1 << max(size - 1, 1).bit_length(), device)
 
 
 def max_output_lengths(src: Tensor, max_len_a: float, max_len_b: int,
@@ -145,8 +200,10 @@ def _restrict(log_probs: Tensor, at_max: Tensor | None, ban_eos: bool = False) -
 
     log_probs (N, V) float32, modified in place and returned; at_max (N,) bool, or None
     when no row is at its maximum (the common case, known on the host: no (N, V) mask).
+    Column views and device-built masks only: no index list or value copied from the host.
     """
-    log_probs[:, [PAD_ID, BOS_ID]] = NEG_INF
+    log_probs[:, PAD_ID].fill_(NEG_INF)
+    log_probs[:, BOS_ID].fill_(NEG_INF)
     if ban_eos:
         eos = log_probs[:, EOS_ID]  # (N,) view
         if at_max is None:
@@ -154,8 +211,7 @@ def _restrict(log_probs: Tensor, at_max: Tensor | None, ban_eos: bool = False) -
         else:
             eos.masked_fill_(~at_max, NEG_INF)
     if at_max is not None:
-        not_eos = torch.ones(log_probs.size(-1), dtype=torch.bool, device=log_probs.device)
-        not_eos[EOS_ID] = False
+        not_eos = torch.arange(log_probs.size(-1), device=log_probs.device) != EOS_ID  # (V,)
         log_probs.masked_fill_(at_max.unsqueeze(1) & not_eos.unsqueeze(0), NEG_INF)  # (N, V)
     return log_probs
 
@@ -163,14 +219,14 @@ def _restrict(log_probs: Tensor, at_max: Tensor | None, ban_eos: bool = False) -
 def _force(log_probs: Tensor, forced: Tensor) -> Tensor:
     """Target prefixes: on rows whose `forced` (N,) token is not PAD, every token but that
     one gets -inf (its own log-prob is kept, so it counts in the score); PAD rows are free.
-    log_probs (N, V), modified in place and returned. One host sync."""
-    rows = (forced != PAD_ID).nonzero().squeeze(1)  # (k,)
-    if rows.numel():
-        tokens = forced.index_select(0, rows)  # (k,)
-        kept = log_probs[rows, tokens]  # (k,) a copy
-        log_probs.index_fill_(0, rows, NEG_INF)
-        log_probs[rows, tokens] = kept
-    return log_probs
+    log_probs (N, V), modified in place and returned.
+
+    Masks rather than the forced rows' indices (`nonzero`: a host sync per step on a GPU).
+    A free row "keeps" its PAD column: it reads that log-prob and writes it back."""
+    index = forced.unsqueeze(1)  # (N, 1)
+    kept = log_probs.gather(1, index)  # (N, 1) a copy
+    log_probs.masked_fill_((forced != PAD_ID).unsqueeze(1), NEG_INF)  # (N, V)
+    return log_probs.scatter_(1, index, kept)
 
 
 def prefix_tensor(prefixes: Sequence[Sequence[int]] | None, device: torch.device
@@ -206,18 +262,19 @@ def beam_search(decoder: StepDecoder, max_lens: Tensor, *, beam: int, alpha: flo
     n_sent = max_lens.numel()
     if n_sent == 0:
         return []
-    width = int(max_lens.max().item()) + 2  # BOS + pieces + EOS
+    budgets = max_lens.tolist()  # the one host read before the steps
+    width = max(budgets) + 2  # BOS + pieces + EOS
     _reserve(decoder, width)
     # The decoder keeps one row per sentence for step 0 (all beams hold the same BOS
     # prefix, so it is computed once) and is expanded to B * beam by step 0's reorder.
-    beams = _Beams.start(max_lens, beam, nbest, width, prefix)
+    beams = _Beams.start(max_lens, budgets, beam, nbest, width, alpha, prefix)
     out = _Finished.empty(n_sent, nbest, width, max_lens.device)
     for t in range(width - 1):
         cand = _best_candidates(beams.next_log_probs(decoder, t, min_len), beams.scores)
-        beams.finish(cand, t, alpha)
+        beams.finish(cand, t)
         keep_beam = beams.extend(cand, t)
         beams.reorder_decoder(decoder, keep_beam, t)
-        if beams.retire(decoder, out, t, alpha):
+        if beams.retire(decoder, out, t, alpha):  # the one host read of a step
             return out.to_hypotheses(alpha)
     if beams.active.numel():
         out.store(beams.active, beams.fin, beams.fallback)
@@ -269,7 +326,8 @@ class _Beams:
     fallback: _Finished  # (rows, 1) best alive so far
     active: Tensor  # (rows,) original index of each row's sentence
     lens: Tensor  # (rows,) maximum output lengths
-    lens_host: set[int]  # budgets of the rows still in the batch, on the host
+    lens_host: list[int]  # the same on the host
+    penalty: Tensor  # (width,) length_penalty(n, alpha) of n = 0..width-1, on the device
     slots: Tensor  # (beam,) arange
     n_groups: int  # sentence groups the decoder holds, dead ones included
     prefix: Tensor | None = None  # (sentences, P) forced first pieces, PAD = free
@@ -277,9 +335,10 @@ class _Beams:
     live: Tensor | None = None  # (rows * beam,) decoder rows fed this step (when grouped)
 
     @classmethod
-    def start(cls, max_lens: Tensor, beam: int, nbest: int, width: int,
-              prefix: Tensor | None = None) -> _Beams:
-        """Every sentence at BOS, only its first beam alive (all beams are identical)."""
+    def start(cls, max_lens: Tensor, budgets: list[int], beam: int, nbest: int, width: int,
+              alpha: float, prefix: Tensor | None = None) -> _Beams:
+        """Every sentence at BOS, only its first beam alive (all beams are identical);
+        `budgets` is `max_lens` read to the host."""
         device, n_sent = max_lens.device, max_lens.numel()
         tokens = torch.full((n_sent, beam, width), PAD_ID, dtype=torch.long, device=device)
         tokens[:, :, 0] = BOS_ID
@@ -287,8 +346,9 @@ class _Beams:
         scores[:, 0] = 0.0  # all beams start identical: expand only the first at step 0
         return cls(beam, tokens, scores, _Finished.empty(n_sent, nbest, width, device),
                    _Finished.empty(n_sent, 1, width, device),
-                   torch.arange(n_sent, device=device), max_lens.clone(),
-                   set(max_lens.tolist()), torch.arange(beam, device=device), n_sent, prefix)
+                   torch.arange(n_sent, device=device), max_lens.clone(), list(budgets),
+                   _penalties(alpha, width, device), torch.arange(beam, device=device),
+                   n_sent, prefix)
 
     def next_log_probs(self, decoder: StepDecoder, t: int, min_len: int) -> Tensor:
         """Feed step t's tokens; the restricted log-probs (rows, beam, V) of the next."""
@@ -311,14 +371,14 @@ class _Beams:
             log_probs = _force(log_probs, forced)
         return log_probs.view(n_rows, beam, vocab)
 
-    def finish(self, cand: _Candidates, t: int, alpha: float) -> None:
+    def finish(self, cand: _Candidates, t: int) -> None:
         """Finish the EOS candidates ranked within the top `beam` (|Y| = t pieces + EOS)."""
         beam = self.beam
         fin_ok = cand.is_eos[:, :beam] & torch.isfinite(cand.score[:, :beam])  # (rows, beam)
         new_tokens = _gather_rows(self.tokens, cand.parent[:, :beam])  # (rows, beam, width)
         new_tokens[:, :, t + 1] = EOS_ID
         new_logp = cand.score[:, :beam].masked_fill(~fin_ok, NEG_INF)
-        new_score = new_logp / length_penalty(t + 1, alpha).to(new_logp.device)
+        new_score = new_logp / self.penalty[t + 1]  # a 0-dim view: nothing leaves the device
         self.fin = self.fin.merge(new_tokens, new_score, new_logp)
 
     def extend(self, cand: _Candidates, t: int) -> Tensor:
@@ -332,42 +392,54 @@ class _Beams:
         return keep_beam
 
     def reorder_decoder(self, decoder: StepDecoder, keep_beam: Tensor, t: int) -> None:
-        """Give the decoder's rows the order of the beams that went on."""
+        """Give the decoder's rows the order of the beams that went on. Every sentence's
+        rows stay its group, in place (`regroup`: the cache need not find that out)."""
         beam, n_rows, device = self.beam, self.active.numel(), keep_beam.device
         if t == 0:  # expand B -> B * beam: every beam's state is the BOS one
-            decoder.reorder(torch.arange(n_rows, device=device).repeat_interleave(beam))
+            order = torch.arange(n_rows, device=device).repeat_interleave(beam)  # (rows*beam,)
         elif self.group is None:
             row_base = torch.arange(n_rows, device=device).unsqueeze(1) * beam  # (rows, 1)
-            decoder.reorder((row_base + keep_beam).view(-1))  # (rows * beam,)
+            order = (row_base + keep_beam).view(-1)  # (rows * beam,)
         else:  # dead groups keep their rows in place
             assert self.live is not None
             order = torch.arange(self.n_groups * beam, device=device)  # (groups * beam,)
             order[self.live] = (self.group.unsqueeze(1) * beam + keep_beam).view(-1)
-            decoder.reorder(order)
+        regroup(decoder, order, beam, None)
 
     def retire(self, decoder: StepDecoder, out: _Finished, t: int, alpha: float) -> bool:
         """Store the sentences that are done into `out` and drop them from the batch
-        (compacting the decoder when enough are gone); True when none is left."""
+        (compacting the decoder when enough are gone); True when none is left.
+
+        Reads one (rows,) bool to the host, the step's one host sync; the rows to store
+        and to keep are then found on the device with their counts known
+        (`nonzero_static`: `nonzero` would read its count back, a sync each)."""
         alive_ok = torch.isfinite(self.scores[:, :1])  # (rows, 1)
         self.fallback = self.fallback.where(~alive_ok, self.tokens[:, :1], self.scores[:, :1],
                                             self.scores[:, :1])
+        # Computed on the device each step, not looked up in `penalty`: a vectorised pow
+        # over the rows, as ever, so the bounds stay the same to the last bit.
         bound = self.scores[:, 0] / length_penalty(self.lens + 1, alpha)  # (rows,)
         done = (self.fin.score[:, -1] >= bound) | ~alive_ok.squeeze(1) | (self.lens <= t)
-        if not bool(done.any()):  # the one host sync per step
+        done_host: list[bool] = done.tolist()  # the one host sync per step
+        n_done = sum(done_host)
+        if not n_done:
             return False
-        idx = done.nonzero().squeeze(1)
+        idx = torch.nonzero_static(done, size=n_done).squeeze(1)  # (n_done,)
         out.store(self.active[idx], self.fin.select(idx), self.fallback.select(idx))
-        if bool(done.all()):
+        n_keep = len(done_host) - n_done
+        if not n_keep:
             return True
-        keep = (~done).nonzero().squeeze(1)
+        keep = torch.nonzero_static(~done, size=n_keep).squeeze(1)  # (n_keep,)
         self.active, self.lens, self.scores = self.active[keep], self.lens[keep], self.scores[keep]
-        self.lens_host = set(self.lens.tolist())
+        self.lens_host = [n for n, gone in zip(self.lens_host, done_host, strict=True)
+                          if not gone]
         self.tokens, self.fin = self.tokens[keep], self.fin.select(keep)
         self.fallback = self.fallback.select(keep)
         self.group = keep if self.group is None else self.group[keep]  # (kept,)
-        if keep.numel() <= (1.0 - COMPACT_AT) * self.n_groups:  # compact: drop dead groups
-            decoder.reorder((self.group.unsqueeze(1) * self.beam + self.slots).view(-1))
-            self.n_groups, self.group = keep.numel(), None  # (kept * beam,) rows above
+        if n_keep <= (1.0 - COMPACT_AT) * self.n_groups:  # compact: drop dead groups
+            regroup(decoder, (self.group.unsqueeze(1) * self.beam + self.slots).view(-1),
+                    self.beam, self.group)  # (kept * beam,)
+            self.n_groups, self.group = n_keep, None  # rows above
         return False
 
 
@@ -449,9 +521,10 @@ class _Finished:
         self.log_prob[rows] = log_prob
 
     def to_hypotheses(self, alpha: float) -> list[list[Hypothesis]]:
-        """Move to the host once and cut each row at its EOS."""
-        tokens, score, log_prob = (self.tokens.cpu().tolist(), self.score.cpu().tolist(),
-                                   self.log_prob.cpu().tolist())
+        """Move to the host (two reads: the tokens, both scores stacked) and cut each row
+        at its EOS."""
+        tokens = self.tokens.tolist()
+        score, log_prob = torch.stack([self.score, self.log_prob]).tolist()
         results: list[list[Hypothesis]] = []
         for row_tok, row_score, row_logp in zip(tokens, score, log_prob, strict=True):
             hyps = []
@@ -491,15 +564,35 @@ def sample_decode(decoder: StepDecoder, max_lens: Tensor, *, temperature: float,
     """Sample each token from the temperature-scaled, top-k / top-p filtered distribution
     (`generator` None: torch's global one); `prefix` (rows, P) as for `beam_search`.
 
-    The reported log-prob is the model's own (unscaled, unfiltered) one.
+    The reported log-prob is the model's own (unscaled, unfiltered) one. NaN log-probs (a
+    broken model) raise ValueError, found at the end (one more host read per search).
     """
+    nan_seen = torch.zeros((), dtype=torch.bool, device=max_lens.device)
 
     def choose(log_probs: Tensor) -> Tensor:
         filtered = filter_log_probs(log_probs / temperature, top_k, top_p)
-        probs = torch.softmax(filtered, dim=-1)  # (N, V)
-        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        probs = torch.softmax(filtered, dim=-1)  # (N, V); a row with a NaN is all NaN
+        chosen = sample_one(probs, generator)  # (N,)
+        nan_seen.logical_or_(probs.gather(1, chosen.unsqueeze(1)).isnan().any())
+        return chosen
 
-    return _sample_like(decoder, max_lens, alpha, choose, min_len, prefix)
+    hyps = _sample_like(decoder, max_lens, alpha, choose, min_len, prefix)
+    if nan_seen.item():
+        raise ValueError("sampling met a distribution with NaN probabilities")
+    return hyps
+
+
+def sample_one(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One index per row of `probs` (N, V), drawn with probability probs[i] (rows sum to 1):
+    `torch.multinomial(probs, 1, generator=generator).squeeze(1)`, the very same draw.
+
+    That is torch's own algorithm for one sample (argmax of p / q, q ~ Exp(1), the same
+    random numbers from the same generator), without the validity checks it makes first:
+    they read two values back to the host, two syncs a step on a GPU. Our distributions
+    are softmaxes, valid unless NaN, which `sample_decode` checks once at the end.
+    tests/test_search_syncs.py holds it equal to torch.multinomial."""
+    noise = torch.empty_like(probs).exponential_(1, generator=generator)  # (N, V)
+    return torch.div(probs, noise, out=noise).argmax(dim=-1)  # (N,)
 
 
 def filter_log_probs(log_probs: Tensor, top_k: int, top_p: float) -> Tensor:
@@ -529,12 +622,12 @@ def _sample_like(decoder: StepDecoder, max_lens: Tensor, alpha: float,
     rows = max_lens.numel()
     if rows == 0:
         return []
-    width = int(max_lens.max().item()) + 1
+    budgets = set(max_lens.tolist())  # the one host read before the steps
+    width = max(budgets) + 1
     out = torch.full((rows, width), PAD_ID, dtype=torch.long, device=device)
     log_prob = torch.zeros(rows, device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
     last = torch.full((rows,), BOS_ID, dtype=torch.long, device=device)
-    budgets = set(max_lens.tolist())
     for t in range(width):
         at_max = (max_lens == t) if t in budgets else None
         log_probs = _restrict(decoder.step(last), at_max, t < min_len)  # (rows, V)
@@ -547,10 +640,10 @@ def _sample_like(decoder: StepDecoder, max_lens: Tensor, alpha: float,
         out[:, t] = chosen.masked_fill(finished, PAD_ID)
         finished |= chosen == EOS_ID
         last = chosen
-        if bool(finished.all()):
+        if bool(finished.all()):  # the one host sync per step
             break
     hyps = []
-    for seq, lp in zip(out.cpu().tolist(), log_prob.cpu().tolist(), strict=True):
+    for seq, lp in zip(out.tolist(), log_prob.tolist(), strict=True):
         pieces = _cut(seq)
         length = len(pieces) + 1  # |Y| counts EOS
         hyps.append(Hypothesis(pieces, lp / float(length_penalty(length, alpha)), lp))
