@@ -27,9 +27,30 @@ real training loop in-process, on Multi30k prepared and BPE-encoded by `nmt prep
 - big_memory: peak GPU memory (allocated and reserved) of `--arch big` (vocab 37,000) for
   training updates at the WMT recipe's per-GPU max_tokens, typical (32-token) and worst-case
   (256-token) sentences.
+- shape_8gpu: one GPU's share of an 8-GPU run of the WMT recipe, `base` in bf16: 1 x 3,308
+  tokens per update (`derive_batching` on the bench's WMT-like lengths, not the 1-GPU
+  3 x 8,805), timed by
+  `bench/gpu_train_speed.py --gpus 8 --loss both` with the reference and the fused loss one
+  after the other: step time, tokens/s and peak memory of each, which is faster, and
+  whether `--fused-loss auto` (fused on CUDA) picks it. The all-reduce is not timed. Fails
+  when the shape is not the derived one, a loss is not finite, or the two losses' first
+  updates differ by more than 0.05 nats (they compute the same function).
+- torchrun_2proc: `nmt train --gpus 2` / `--nproc 2` (its self-relaunch under
+  `torch.distributed.run --standalone --nproc_per_node 2`), `--fused-loss on` (the 8-GPU
+  combination: DDP and the fused loss) and `--batch-tokens` (update-freq derived for 2
+  processes from the data's measured fill). It must exit 0 with every logged update at
+  world_size 2 and the derived update-freq, and leave checkpoint_last.pt at the last
+  update holding both ranks' RNG states (both reached the save) that loads into the
+  model. With 2 or more GPUs visible: NCCL, 2 GPUs, bf16, the Multi30k recipe's model.
+  With one GPU (NCCL cannot put two ranks on one device) and in --dry-run: 2 gloo
+  processes on the CPU, tiny model, fp32: the check says so in its detail and
+  `data.backend` / `data.on_gpu`; the NCCL path is then not exercised.
 
 Prints a table and one JSON line; exits 1 when a check fails. --dry-run runs every step on
-the CPU at toy size (CUDA-only figures are reported as n/a) so the script cannot rot.
+the CPU at toy size (CUDA-only figures are reported as n/a; the shape and torchrun checks
+run on the CPU and say so: their timings are CPU figures) so the script cannot rot.
+`--only shape_8gpu,torchrun_2proc` runs some checks (resume, translate and decoding use
+the training checks' runs); `--data DIR` takes an already prepared and BPE-encoded DATA.
 """
 
 from __future__ import annotations
@@ -362,6 +383,166 @@ def check_big_memory(setup: Setup) -> Check:
                                      for n, (a, r) in peaks.items()}})
 
 
+# Tolerance between the reference and the fused loss's first-update loss (nats per token):
+# the same weights, batch and dropout masks, so only rounding differs (bf16 on CUDA).
+SAME_LOSS_TOL = 0.05
+
+
+def check_shape_8gpu(setup: Setup) -> Check:
+    """One GPU of an 8-GPU WMT run (1 x 3,308 tokens, base, bf16), the reference and the
+    fused loss timed one after the other by bench/gpu_train_speed.py; dry run: its CPU
+    smoke at the same ratio (tiny, 1 x 292 tokens), CPU figures only. The expected shape
+    is re-derived from the bench's own WMT-like lengths (`shape_lengths`)."""
+    from nmt.config import TrainConfig
+    from nmt.data.recipes import load_recipe
+    from nmt.train.loop import derive_batching
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_train_speed import shape_lengths
+
+    shape = ["--smoke"] if setup.dry else ["--arch", "base", "--device", "cuda"]
+    args = [str(REPO / "bench" / "gpu_train_speed.py"), "--gpus", "8", "--loss", "both",
+            *shape]
+    result = subprocess.run([setup.python, *args], capture_output=True, timeout=1200,
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    if result.returncode != 0:
+        raise RuntimeError(f"gpu_train_speed.py exited {result.returncode}: "
+                           f"{result.stderr.decode(errors='replace')[-1500:]}")
+    r = json.loads(result.stdout.decode().strip().splitlines()[-1])
+    recipe = load_recipe("wmt14-en-de").training
+    cap, batch = ((r["max_tokens"], r["batch_tokens"]) if setup.dry else
+                  (int(recipe["max_tokens"]), int(recipe["batch_tokens"])))
+    want = derive_batching(TrainConfig(max_tokens=cap, batch_tokens=batch, max_len=256), 8,
+                           *shape_lengths())
+    ref, fused = r["by_loss"]["reference"], r["by_loss"]["fused"]
+    shape_ok = (r["update_freq"], r["micro_tokens"]) == (want.update_freq, want.micro_tokens)
+    same = r["first_update_loss_max_abs_diff"] <= SAME_LOSS_TOL
+    ok = shape_ok and same and ref["finite"] and fused["finite"]
+    on_gpu = r["device"] != "cpu"
+    if on_gpu:
+        memory = (f"peak allocated: fused {fused['peak_memory_allocated_gib']:.2f} GiB, "
+                  f"reference {ref['peak_memory_allocated_gib']:.2f} GiB")
+    else:
+        memory = "GPU memory n/a (CPU run)"
+    auto = ("the faster" if r["auto_is_fastest"] else "NOT the faster")
+    where = (f"{r['arch']} {r['precision']} on {r['device']}" if on_gpu else
+             f"dry run: CPU smoke, {r['arch']} {r['precision']}; CPU timings, not GPU figures")
+    return Check(
+        "shape_8gpu", "ok" if ok else "FAIL",
+        figure=f"{r['update_freq']} x {r['micro_tokens']} tokens/GPU: fused "
+               f"{r['step_time_vs_first']['fused']:.2f}x reference's step time "
+               f"({1000 * fused['step_time_s']:.1f} vs {1000 * ref['step_time_s']:.1f} ms)",
+        detail=f"{where}; {memory}; --fused-loss auto picks {r['auto_fused_loss']} here: "
+               f"{auto}; first-update loss difference "
+               f"{r['first_update_loss_max_abs_diff']:.2g} (tolerance {SAME_LOSS_TOL}); "
+               f"expected shape {want.update_freq} x {want.micro_tokens}"
+               f"{'' if shape_ok else ' (MISMATCH)'}; all-reduce not timed",
+        data={"on_gpu": on_gpu, "device": r["device"], "arch": r["arch"],
+              "precision": r["precision"], "gpus": r["gpus"],
+              "update_freq": r["update_freq"], "micro_tokens": r["micro_tokens"],
+              "expected_update_freq": want.update_freq,
+              "expected_micro_tokens": want.micro_tokens,
+              "fastest_loss": r["fastest_loss"], "auto_fused_loss": r["auto_fused_loss"],
+              "auto_is_fastest": r["auto_is_fastest"],
+              "lowest_memory_loss": r["lowest_memory_loss"],
+              "first_update_loss_max_abs_diff": r["first_update_loss_max_abs_diff"],
+              "by_loss": {name: {k: v for k, v in figures.items()
+                                 if k in ("step_time_s", "tokens_per_s", "finite",
+                                          "peak_memory_allocated_gib",
+                                          "peak_memory_reserved_gib")}
+                          for name, figures in r["by_loss"].items()}})
+
+
+@dataclass(frozen=True)
+class TorchrunPlan:
+    """How the 2-process smoke runs on this machine, and what it can and cannot show."""
+
+    backend: str  # nccl | gloo
+    on_gpu: bool
+    flags: tuple[str, ...]  # launch, device, precision and model flags of `nmt train`
+    max_tokens: int
+    batch_tokens: int
+    updates: int
+    note: str
+
+
+def torchrun_plan(dry: bool, cuda_devices: int) -> TorchrunPlan:
+    """2 GPUs or more: NCCL on 2 GPUs (bf16, the Multi30k recipe's model, 2 x 2,048 tokens
+    per GPU per update). One GPU or a dry run: 2 gloo processes on the CPU (tiny, fp32,
+    2 x 512 tokens), said in the note: NCCL refuses two ranks on one device."""
+    if not dry and cuda_devices >= 2:
+        return TorchrunPlan("nccl", True, ("--gpus", "2", "--device", "cuda", "--precision",
+                                           "bf16"), 2048, 8192, 40,
+                            "NCCL, 2 GPUs, bf16, Multi30k recipe model")
+    why = ("dry run" if dry else
+           f"{cuda_devices} GPU visible: NCCL needs one GPU per rank, NCCL path not exercised")
+    return TorchrunPlan("gloo", False, ("--nproc", "2", "--device", "cpu", "--precision",
+                                        "fp32", "--arch", "tiny"), 512, 2048, 8,
+                        f"gloo, 2 CPU processes, tiny, fp32 ({why})")
+
+
+def check_torchrun(setup: Setup, runs: Path) -> Check:
+    """`nmt train` in 2 processes under torchrun (see `torchrun_plan`): exits 0, every
+    logged update at world_size 2, checkpoint_last.pt at the last update with both ranks'
+    RNG states, loadable into the model."""
+    import torch
+
+    from nmt.checkpoint import load_model
+    from nmt.config import TrainConfig
+    from nmt.data.dataset import ParallelData
+    from nmt.train.log import read_jsonl
+    from nmt.train.loop import derive_batching
+
+    plan = torchrun_plan(setup.dry, torch.cuda.device_count() if not setup.dry else 0)
+    run = runs / "torchrun"
+    args = ["train", str(setup.data), "-o", str(run), *plan.flags, "--max-tokens",
+            str(plan.max_tokens), "--batch-tokens", str(plan.batch_tokens), "--fused-loss",
+            "on", "--max-updates", str(plan.updates), "--log-interval", "1",
+            "--valid-interval", str(plan.updates), "--save-interval-updates",
+            str(plan.updates // 2)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    start = time.perf_counter()
+    # A session of its own: on a timeout the launcher and both ranks are killed together.
+    proc = subprocess.Popen([setup.python, "-m", "cli.main", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env, cwd=REPO, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise RuntimeError(f"torchrun smoke ({plan.note}) still running after 900 s: "
+                           "killed (a rank hung in a collective?)") from None
+    seconds = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"nmt train ({plan.note}) exited {proc.returncode}: "
+                           f"{err.decode(errors='replace')[-1500:]}")
+    records = [r for r in read_jsonl(run / "train_log.jsonl") if r["kind"] == "train"]
+    worlds = sorted({r["world_size"] for r in records})
+    freqs = sorted({r["update_freq"] for r in records})
+    _, _, payload = load_model(run / "checkpoint_last.pt")  # raises if it does not load
+    # The shape `nmt train` derives: its resolved settings, the data's measured fill.
+    train_split = ParallelData.open(setup.data, "train")
+    want = derive_batching(TrainConfig.from_dict(payload["train_config"]), 2,
+                           train_split.src.lengths, train_split.tgt.lengths)
+    rng_states = len(payload.get("rng") or [])
+    last = records[-1] if records else {}
+    ok = (worlds == [2] and freqs == [want.update_freq] and last.get("step") == plan.updates
+          and payload["step"] == plan.updates and rng_states == 2)
+    return Check("torchrun_2proc", "ok" if ok else "FAIL",
+                 figure=f"2 ranks ({plan.backend}, {'GPU' if plan.on_gpu else 'CPU'}): ended "
+                        f"at update {payload['step']} of {plan.updates}, loss "
+                        f"{last.get('loss', float('nan')):.3f}",
+                 detail=f"{plan.note}; fused loss on; world_size {worlds}, update-freq "
+                        f"{freqs} (derived {want.update_freq} x {want.micro_tokens}); "
+                        f"checkpoint holds {rng_states} ranks' RNG states; {seconds:.0f} s",
+                 data={"backend": plan.backend, "on_gpu": plan.on_gpu, "nproc": 2,
+                       "world_sizes": worlds, "update_freqs": freqs,
+                       "expected_update_freq": want.update_freq,
+                       "micro_tokens": want.micro_tokens, "updates": plan.updates,
+                       "step": payload["step"], "rng_states": rng_states,
+                       "loss": last.get("loss"), "seconds": seconds})
+
+
 def guarded(name: str, fn: Any, *args: Any) -> list[Check]:
     """Run one check; an exception becomes a FAIL row instead of ending the script."""
     try:
@@ -369,6 +550,32 @@ def guarded(name: str, fn: Any, *args: Any) -> list[Check]:
     except Exception as err:  # reported as a FAIL row; the other checks still run
         return [Check(name, "FAIL", detail=f"{type(err).__name__}: {err}"[:1500])]
     return result if isinstance(result, list) else [result]
+
+
+# What --only chooses from, in the order the checks run.
+GROUPS = ("training", "resume", "translate", "decoding", "host_syncs", "big_memory",
+          "shape_8gpu", "torchrun_2proc")
+
+
+def translation_checks(setup: Setup, runs: Path, only: list[str]) -> list[Check]:
+    """translate_* and the decoding modes on the bf16 training run's checkpoints, on the
+    first --lines lines of DATA/test.src."""
+    source = runs / "test.src"
+    source.write_text("".join(line + "\n" for line in (setup.data / "test.src").read_text(
+        encoding="utf-8").splitlines()[:setup.lines]), encoding="utf-8")
+    refs = (setup.data / "test.tgt").read_text(encoding="utf-8").splitlines()[:setup.lines]
+    model = runs / "bf16" / "checkpoint_last.pt"
+    models = [model, sorted((runs / "bf16").glob("checkpoint_[0-9]*.pt"))[0]]
+    checks = []
+    if "translate" in only:
+        checks += guarded("translate", check_translate, setup, model, source, refs)
+    if "decoding" in only:
+        few = runs / "few.src"
+        few.write_text("".join(source.read_text(encoding="utf-8").splitlines(True)[:8]),
+                       encoding="utf-8")
+        checks += guarded("decoding", check_decoding_modes, setup, models, few,
+                          runs / "attn")
+    return checks
 
 
 def main() -> int:
@@ -382,12 +589,23 @@ def main() -> int:
                         help="test2016 lines to translate (default 1000; dry run 40)")
     parser.add_argument("--loss-tol", type=float, default=0.15,
                         help="mean |train loss difference| GPU vs CPU fp32, nats")
+    parser.add_argument("--data", type=Path, default=None,
+                        help="a prepared, BPE-encoded DATA dir (default: Multi30k prepared "
+                        "into OUT/data)")
+    parser.add_argument("--only", default=",".join(GROUPS),
+                        help="comma-separated checks to run, of: " + ", ".join(GROUPS))
     opts = parser.parse_args()
+    only = [name.strip() for name in opts.only.split(",") if name.strip()]
+    unknown = sorted(set(only) - set(GROUPS))
+    if unknown or not only:
+        parser.error(f"--only: unknown {', '.join(unknown) or '(none given)'}; choose from "
+                     + ", ".join(GROUPS))
     import torch
 
     dry = opts.dry_run or not torch.cuda.is_available()
     setup = Setup(dry=dry, device="cpu" if dry else "cuda", out=opts.out,
-                  data=opts.out / "data", updates=opts.updates or (16 if dry else 600),
+                  data=opts.data or opts.out / "data",
+                  updates=opts.updates or (16 if dry else 600),
                   lines=opts.lines or (40 if dry else 1000),
                   loss_tol=opts.loss_tol if not dry else 1.0)
     runs = setup.out / "runs"
@@ -396,23 +614,23 @@ def main() -> int:
 
         shutil.rmtree(runs)
     runs.mkdir(parents=True)
-    prepare(setup)
-    source = runs / "test.src"
-    source.write_text("".join(line + "\n" for line in (setup.data / "test.src").read_text(
-        encoding="utf-8").splitlines()[:setup.lines]), encoding="utf-8")
-    refs = (setup.data / "test.tgt").read_text(encoding="utf-8").splitlines()[:setup.lines]
-
-    checks = guarded("training", check_training, setup, runs)
-    checks += guarded("resume", check_resume, setup, runs)
-    model = runs / "bf16" / "checkpoint_last.pt"
-    models = [model, sorted((runs / "bf16").glob("checkpoint_[0-9]*.pt"))[0]]
-    checks += guarded("translate", check_translate, setup, model, source, refs)
-    few = runs / "few.src"
-    few.write_text("".join(source.read_text(encoding="utf-8").splitlines(True)[:8]),
-                   encoding="utf-8")
-    checks += guarded("decoding", check_decoding_modes, setup, models, few, runs / "attn")
-    checks += guarded("host_syncs", check_host_syncs, setup, runs)
-    checks += guarded("big_memory", check_big_memory, setup)
+    if set(only) - {"big_memory", "shape_8gpu"}:  # the others read DATA
+        prepare(setup)
+    checks = []
+    if "training" in only:
+        checks += guarded("training", check_training, setup, runs)
+    if "resume" in only:
+        checks += guarded("resume", check_resume, setup, runs)
+    if {"translate", "decoding"} & set(only):
+        checks += guarded("translate", translation_checks, setup, runs, only)
+    if "host_syncs" in only:
+        checks += guarded("host_syncs", check_host_syncs, setup, runs)
+    if "big_memory" in only:
+        checks += guarded("big_memory", check_big_memory, setup)
+    if "shape_8gpu" in only:
+        checks += guarded("shape_8gpu", check_shape_8gpu, setup)
+    if "torchrun_2proc" in only:
+        checks += guarded("torchrun_2proc", check_torchrun, setup, runs)
 
     name = torch.cuda.get_device_name() if setup.device == "cuda" else "cpu (dry run)"
     width = max(len(c.name) for c in checks)

@@ -8,18 +8,35 @@ preset) under autocast (`--precision`, bf16 by default), only the
 non-PAD target rows projected, the label-smoothed loss (eps 0.1) and backward, the
 gradient norm; then Adam from `nmt.train.schedule.build_optimizer` (fused on CUDA) with the
 paper's schedule (the Trainer's finiteness check is left out: it is the update's host sync).
-`--loss reference` is today's path (`model(..., select=rows)` logits +
-`label_smoothed_nll`); `--loss fused` projects the decoder features with the chunked
-`projected_smoothed_loss` (no (rows, V) tensor), `--loss fused-compiled` the same with its
-per-chunk softmax and gradient kernels torch.compile'd. `--compile` wraps the model in
-`torch.compile`; warm-up updates absorb compilation.
+`--loss reference` is `nmt train --fused-loss off` (`model(..., select=rows)` logits +
+`label_smoothed_nll`); `--loss fused` is `--fused-loss on` (the decoder features projected
+by the chunked `projected_smoothed_loss`: no (rows, V) tensor), `--loss fused-compiled` the
+same with its per-chunk softmax and gradient kernels torch.compile'd. `--compile` wraps the
+model in `torch.compile`. Warm-up (untimed): the `--warmup` updates, then the timed updates
+once, so each batch shape's first-time costs (compilation, kernel selection) are not timed.
+
+`--loss both` (or a comma-separated list, `all` for the three) times the losses one after
+the other in this process, on the same batches from the same initial weights and dropout
+seed, each with its own model and optimizer (the previous one freed, its peak-memory
+counters reset): the measurement behind `--fused-loss auto` (fused on CUDA). The JSON line
+then carries the first loss's figures under the usual keys, each loss's under `by_loss`,
+and `fastest_loss`, `step_time_vs_first`, `lowest_memory_loss`, the first updates' loss
+difference (the losses compute the same function: it should be rounding only) and whether
+auto's choice on this device is the faster one. Run order favours neither: each loss warms
+up on every batch it then times (without that, the first loss ran 2.5x slower in the CPU
+smoke, whichever it was).
 
 Batches: source lengths drawn log-normally like WMT14 En-De BPE pieces (mean about 27,
 long tail cut at 255 so pairs fit `max_len` 256 with EOS), target length = source x a
-log-normal ratio around 1.05; grouped by the project's own `batch_by_tokens` at the WMT
-recipe's per-GPU `[training] max_tokens` (12,500) and `update_freq` from its
-`batch_tokens` for one GPU (`derive_batching`: 2 x 12,500), then shuffled. Token ids are
-random (speed does not depend on them).
+log-normal ratio around 1.05; grouped by the project's own `batch_by_tokens` and shuffled.
+The shape is that of one GPU of a `--gpus N` run of the WMT recipe, as `nmt train` derives
+it (`derive_batching`: --batch-tokens real tokens per side per update, from the fill of
+micro-batches measured on `SHAPE_PAIRS` pairs of these WMT-like lengths, seeded): N = 1
+(default) is 3 x 8,805, N = 8 is 1 x 3,308 per GPU (micro-batches about 94.5 % full).
+`--update-freq F` instead runs F x `--max-tokens` as given. With
+N > 1 the figures are one GPU's share: the gradients' all-reduce is not timed, so
+`tokens_per_s_all_gpus_no_comm` (N x tokens/s) is an upper bound for the whole job. Token
+ids are random (speed does not depend on them).
 
 Figures: tokens/s counts non-PAD source + target tokens (EOS included), as `nmt train`
 logs; step time is per update (host sync only at the ends of the timed window).
@@ -32,16 +49,22 @@ and overstates an encoder-decoder's FLOPs about twice. Attention score/value FLO
 (QK^T and AV over the real lengths, decoder self-attention causal: half the square) are
 reported apart (`attention_tflops`, `mfu_with_attention`). MFU = model FLOP/s over the
 device's dense bf16 peak (`PEAKS`, or --peak-tflops). Padding computed by the encoder
-and decoder is not useful work, so it lowers MFU.
+and decoder is not useful work, so it lowers MFU. Peak memory: CUDA's allocator peaks over
+the timed updates; on a CPU the process's peak RSS since the timed updates began (VmHWM,
+reset through /proc/self/clear_refs; indicative only: freed memory may stay mapped).
 
     .venv/bin/python bench/gpu_train_speed.py --arch base [--compile] [--loss fused]
-    .venv/bin/python bench/gpu_train_speed.py --smoke      # CPU, tiny model, 2 updates
-Prints a table and one JSON line.
+    .venv/bin/python bench/gpu_train_speed.py --arch base --gpus 8 --loss both
+    .venv/bin/python bench/gpu_train_speed.py --smoke [--gpus 8 --loss both]  # CPU, tiny
+Prints a table (one per loss) and one JSON line. `--smoke`: CPU, tiny model, vocabulary
+1,000, max-tokens 1,024 and batch-tokens 2,048 (the recipe's ratio: 1 GPU 3 x 739, 8 GPUs
+1 x 292), 1 + 2 warm-up then 2 timed updates per loss; CPU figures, never GPU ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import sys
@@ -64,7 +87,11 @@ from nmt.model.transformer import Transformer  # noqa: E402
 from nmt.precision import grad_scaler  # noqa: E402
 from nmt.train.feed import to_device  # noqa: E402
 from nmt.train.loop import derive_batching  # noqa: E402
-from nmt.train.loss import DEFAULT_CHUNK_ROWS, target_positions  # noqa: E402
+from nmt.train.loss import (  # noqa: E402
+    DEFAULT_CHUNK_ROWS,
+    fused_loss_enabled,
+    target_positions,
+)
 from nmt.train.schedule import Schedule, build_optimizer, build_schedule  # noqa: E402
 from nmt.train.step import LossOptions, apply_update, train_step  # noqa: E402
 
@@ -83,7 +110,10 @@ VOCAB = 37000
 LABEL_SMOOTHING = 0.1
 MEAN_PIECES = 27.0  # WMT14 En-De source sentence, BPE pieces
 LENGTH_SIGMA = 0.6  # log-normal spread: a long tail (about 1 in 40,000 beyond 255)
+SHAPE_PAIRS = 200_000  # WMT-like pairs the update's shape is derived from (fill within 0.1 %)
 MAX_LEN = 256  # pieces + EOS, TrainConfig's max_len
+LOSSES = ("reference", "fused", "fused-compiled")
+LOSS_ALIASES: dict[str, tuple[str, ...]] = {"both": ("reference", "fused"), "all": LOSSES}
 
 
 @dataclass
@@ -105,6 +135,13 @@ def wmt_lengths(n: int, rng: np.random.Generator, mean: float = MEAN_PIECES,
     ratio = rng.lognormal(math.log(1.05), 0.12, n)
     tgt = np.clip(np.rint(src * ratio), 1, MAX_LEN - 1).astype(np.int64)
     return src, tgt
+
+
+def shape_lengths() -> tuple[np.ndarray, np.ndarray]:
+    """(source, target) lengths of the WMT-like corpus `update_shape` derives the shape
+    from: `SHAPE_PAIRS` pairs, always the same (seed 0), so bench/gpu_check.py re-derives
+    the shape this bench ran."""
+    return wmt_lengths(SHAPE_PAIRS, np.random.default_rng(0))
 
 
 def make_batches(count: int, max_tokens: int, vocab: int, seed: int,
@@ -173,16 +210,40 @@ def peak_host_rss() -> int:
     return 0
 
 
+def reset_host_peak() -> None:
+    """Restart this process's VmHWM from its current RSS (Linux clear_refs 5; no-op where
+    that is refused), so a CPU peak covers only what follows."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
+            handle.write("5")
+    except OSError:
+        pass
+
+
+def update_shape(opt: argparse.Namespace) -> tuple[int, int, float | None]:
+    """(micro-batches per update, padded tokens per micro-batch, measured fill) on one GPU
+    of an `opt.gpus`-GPU run: `derive_batching` from --batch-tokens and --max-tokens as
+    `nmt train` does (max_len 256) on WMT-like lengths (`shape_lengths`), or --update-freq
+    x --max-tokens when given (fill None: not measured)."""
+    if opt.update_freq:
+        return opt.update_freq, opt.max_tokens, None
+    cfg = TrainConfig(max_tokens=opt.max_tokens, batch_tokens=opt.batch_tokens,
+                      update_freq=1, max_len=MAX_LEN)
+    shape = derive_batching(cfg, opt.gpus, *shape_lengths())
+    return shape.update_freq, shape.micro_tokens, shape.fill
+
+
 def train_update(micro: list[HostBatch], net: nn.Module, model: Transformer,
-                 opt: argparse.Namespace, device: torch.device, precision: str,
-                 optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                 schedule: Schedule) -> Tensor:
+                 opt: argparse.Namespace, loss_name: str, device: torch.device,
+                 precision: str, optimizer: torch.optim.Optimizer,
+                 scaler: torch.amp.GradScaler, schedule: Schedule) -> Tensor:
     """One update over `micro` through `train_step` and `apply_update` (what `nmt train`
-    runs); returns the mean token loss as a device scalar (no host sync: the update is
-    applied as finite, the Trainer's check needs the sync this bench leaves out)."""
+    runs) with the loss `loss_name`; returns the mean token loss as a device scalar (no
+    host sync: the update is applied as finite, the Trainer's check needs the sync this
+    bench leaves out)."""
     tokens = sum(int(hb.tgt_lens.sum()) for hb in micro)
-    loss = LossOptions(LABEL_SMOOTHING, model.cfg.pad_id, fused=opt.loss != "reference",
-                       chunk_rows=opt.chunk_rows, compiled=opt.loss == "fused-compiled")
+    loss = LossOptions(LABEL_SMOOTHING, model.cfg.pad_id, fused=loss_name != "reference",
+                       chunk_rows=opt.chunk_rows, compiled=loss_name == "fused-compiled")
     on_device = [to_device(hb.batch, hb.has_pad,
                            None if hb.select is None else torch.from_numpy(hb.select), device)
                  for hb in micro]  # as the Trainer's feed hands them over
@@ -193,49 +254,58 @@ def train_update(micro: list[HostBatch], net: nn.Module, model: Transformer,
 
 
 def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA; nothing to wait for on a CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def run(opt: argparse.Namespace) -> dict:
-    """Build model and batches, run warm-up and timed updates, return the figures."""
-    device = resolve_device(opt.device)
+def release(device: torch.device, compiled: bool) -> None:
+    """Free what a finished loss run left (its model, optimizer, compiled graphs, cached
+    CUDA blocks) so the next loss's peak memory is its own."""
+    if compiled:
+        torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def time_loss(opt: argparse.Namespace, loss_name: str, device: torch.device,
+              updates: list[list[HostBatch]], update_freq: int, micro_tokens: int) -> dict:
+    """Warm-up and timed `updates` with the loss `loss_name` from a fresh model (seeded:
+    every loss starts from the same weights and draws the same dropout masks); returns
+    the figures of the JSON line."""
     precision = opt.precision
-    if precision == "fp32":
-        allow_tf32(device)
     torch.manual_seed(opt.seed)
     cfg = model_preset(opt.arch, vocab_size=opt.vocab)
     model = Transformer(cfg).to(device).train()
     train_cfg = TrainConfig(max_tokens=opt.max_tokens, batch_tokens=opt.batch_tokens,
                             update_freq=1)
-    update_freq = opt.update_freq or derive_batching(train_cfg, 1).update_freq
     optimizer = build_optimizer(model.parameters(), train_cfg, device)
     schedule = build_schedule(optimizer, cfg.d_model, train_cfg)
     scaler = grad_scaler(device, enabled=precision == "fp16")
     net: nn.Module = model
     if opt.compile:
         net = torch.compile(net)
-    batches = make_batches((opt.warmup + opt.steps) * update_freq, opt.max_tokens, opt.vocab,
-                           opt.seed)
-    if device.type == "cuda":
-        for hb in batches:
-            hb.batch = Batch(hb.batch.src.pin_memory(), hb.batch.tgt_in.pin_memory(),
-                             hb.batch.tgt_out.pin_memory(), hb.batch.src_tokens,
-                             hb.batch.tgt_tokens)
-    updates = [batches[i:i + update_freq] for i in range(0, len(batches), update_freq)]
+    # Warm-up: the --warmup updates, then the timed ones once, untimed: every batch shape
+    # of the timed window has then run once with this loss, so first-time kernel set-up
+    # (compilation; oneDNN primitives on a CPU, cuBLAS heuristics on CUDA) is not timed. It
+    # would otherwise fall on whichever loss runs first (the CPU smoke: 2.5x its step time).
     warm_start = time.perf_counter()
-    for micro in updates[:opt.warmup]:
-        train_update(micro, net, model, opt, device, precision, optimizer, scaler, schedule)
+    warm_losses = [train_update(micro, net, model, opt, loss_name, device, precision,
+                                optimizer, scaler, schedule) for micro in updates]
     sync(device)
     warm_seconds = time.perf_counter() - warm_start
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    else:
+        reset_host_peak()
     timed = updates[opt.warmup:]
     losses = []
     start = time.perf_counter()
     for micro in timed:
-        losses.append(train_update(micro, net, model, opt, device, precision, optimizer,
-                                   scaler, schedule))
+        losses.append(train_update(micro, net, model, opt, loss_name, device, precision,
+                                   optimizer, scaler, schedule))
     sync(device)
     seconds = time.perf_counter() - start
     flat = [hb for micro in timed for hb in micro]
@@ -253,26 +323,32 @@ def run(opt: argparse.Namespace) -> dict:
         return None if peak is None else flops / seconds / (peak * 1e12)
 
     loss_values = torch.stack(losses).float().tolist()
+    tokens_per_s = (src_tokens + tgt_tokens) / seconds
     result = {
         "bench": "gpu_train_speed", "smoke": opt.smoke, "arch": opt.arch,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "precision": precision, "loss": opt.loss,
-        "chunk_rows": None if opt.loss == "reference" else opt.chunk_rows,
+        "torch": torch.__version__, "precision": precision, "loss": loss_name,
+        "chunk_rows": None if loss_name == "reference" else opt.chunk_rows,
         "compile": opt.compile, "vocab": opt.vocab, "max_tokens": opt.max_tokens,
-        "update_freq": update_freq, "warmup_updates": opt.warmup, "updates": len(timed),
+        "gpus": opt.gpus, "batch_tokens": None if opt.update_freq else opt.batch_tokens,
+        "micro_tokens": micro_tokens,
+        "update_freq": update_freq, "warmup_updates": len(updates), "updates": len(timed),
         "params": params, "src_tokens": src_tokens, "tgt_tokens": tgt_tokens,
         "padded_tokens": padded, "padding_fraction": 1 - (src_tokens + tgt_tokens) / padded,
         "mean_src_pieces": src_tokens / sum(len(hb.src_lens) for hb in flat) - 1,
         "seconds": seconds, "warmup_seconds": warm_seconds,
         "step_time_s": seconds / len(timed),
-        "tokens_per_s": (src_tokens + tgt_tokens) / seconds,
+        "tokens_per_s": tokens_per_s,
         "tgt_tokens_per_s": tgt_tokens / seconds,
+        "tokens_per_s_all_gpus_no_comm": opt.gpus * tokens_per_s,
         "model_tflops": model_flops / seconds / 1e12,
         "attention_tflops": attn_flops / seconds / 1e12,
         "peak_tflops": peak, "peak_source": peak_label,
         "mfu": mfu(model_flops), "mfu_with_attention": mfu(model_flops + attn_flops),
         "mfu_6n_all_tokens": mfu(naive_flops),
         "loss_per_token_first_last": [loss_values[0], loss_values[-1]],
+        # The very first update's: same weights, batch and dropout masks for every loss.
+        "loss_per_token_first_update": float(warm_losses[0]),
         "finite": all(math.isfinite(v) for v in loss_values),
     }
     if device.type == "cuda":
@@ -281,6 +357,69 @@ def run(opt: argparse.Namespace) -> dict:
     else:
         result["peak_host_rss_gib"] = peak_host_rss() / 2 ** 30
     return result
+
+
+# What differs from one loss to the next: `by_loss` carries these for each loss.
+PER_LOSS_KEYS = ("chunk_rows", "seconds", "warmup_seconds", "step_time_s", "tokens_per_s",
+                 "tgt_tokens_per_s", "tokens_per_s_all_gpus_no_comm", "model_tflops",
+                 "attention_tflops", "mfu", "mfu_with_attention", "mfu_6n_all_tokens",
+                 "loss_per_token_first_last", "loss_per_token_first_update", "finite",
+                 "peak_memory_allocated_gib",
+                 "peak_memory_reserved_gib", "peak_host_rss_gib")
+
+
+def peak_memory_gib(r: dict) -> float:
+    """The peak shown per loss: CUDA allocated, else host RSS (indicative only)."""
+    return r.get("peak_memory_allocated_gib", r.get("peak_host_rss_gib", float("nan")))
+
+
+def compare(results: list[dict], device: torch.device) -> dict:
+    """One JSON line for several losses: the first loss's figures under the usual keys,
+    every loss's under `by_loss`, and what `--fused-loss auto` needs to be decided from."""
+    first = results[0]
+    by_loss = {r["loss"]: {k: r[k] for k in PER_LOSS_KEYS if k in r} for r in results}
+    fastest = min(results, key=lambda r: r["step_time_s"])["loss"]
+    auto = "fused" if fused_loss_enabled("auto", device) else "reference"
+    first_losses = [r["loss_per_token_first_update"] for r in results]
+    on_cuda = device.type == "cuda"  # a CPU's peak RSS is the process's, not one loss's
+    return {
+        **first,
+        "losses": [r["loss"] for r in results],
+        "by_loss": by_loss,
+        "fastest_loss": fastest,
+        "step_time_vs_first": {r["loss"]: r["step_time_s"] / first["step_time_s"]
+                               for r in results},
+        "lowest_memory_loss": (min(results, key=peak_memory_gib)["loss"] if on_cuda
+                               else None),
+        "peak_memory_vs_first": ({r["loss"]: peak_memory_gib(r) / peak_memory_gib(first)
+                                  for r in results} if on_cuda else None),
+        "first_update_loss_max_abs_diff": max(first_losses) - min(first_losses),
+        "auto_fused_loss": auto,
+        "auto_is_fastest": auto == fastest if auto in by_loss else None,
+    }
+
+
+def run(opt: argparse.Namespace) -> dict:
+    """Build the batches once, time each loss of `opt.losses` on them, return the figures
+    (one loss: its own; several: `compare`'s)."""
+    device = resolve_device(opt.device)
+    if opt.precision == "fp32":
+        allow_tf32(device)
+    update_freq, micro_tokens, fill = update_shape(opt)
+    batches = make_batches((opt.warmup + opt.steps) * update_freq, micro_tokens, opt.vocab,
+                           opt.seed)
+    if device.type == "cuda":
+        for hb in batches:
+            hb.batch = Batch(hb.batch.src.pin_memory(), hb.batch.tgt_in.pin_memory(),
+                             hb.batch.tgt_out.pin_memory(), hb.batch.src_tokens,
+                             hb.batch.tgt_tokens)
+    updates = [batches[i:i + update_freq] for i in range(0, len(batches), update_freq)]
+    results = []
+    for name in opt.losses:
+        results.append(time_loss(opt, name, device, updates, update_freq, micro_tokens))
+        results[-1]["fill"] = fill  # real tokens per side per micro-batch / micro_tokens
+        release(device, opt.compile)
+    return results[0] if len(results) == 1 else compare(results, device)
 
 
 def print_table(r: dict) -> None:
@@ -299,7 +438,10 @@ def print_table(r: dict) -> None:
                    f"{r['params']['encoder'] / 1e6:.1f}, decoder "
                    f"{r['params']['decoder'] / 1e6:.1f}, output projection "
                    f"{r['params']['output_projection'] / 1e6:.1f})"),
-        ("batches", f"{r['update_freq']} x max-tokens {r['max_tokens']} per update; "
+        ("batches", f"{r['update_freq']} x {r['micro_tokens']} tokens per update"
+                    + (f" (one GPU of {r['gpus']}: batch-tokens {r['batch_tokens']}, "
+                       f"max-tokens {r['max_tokens']})" if r["batch_tokens"] else "")
+                    + "; "
                     f"{r['updates']} timed after {r['warmup_updates']} warm-up; "
                     f"padding {100 * r['padding_fraction']:.1f}%; "
                     f"mean source {r['mean_src_pieces']:.1f} pieces per sentence"),
@@ -314,49 +456,115 @@ def print_table(r: dict) -> None:
         ("loss/token", f"{r['loss_per_token_first_last'][0]:.3f} -> "
                        f"{r['loss_per_token_first_last'][1]:.3f}"),
     ]
+    if r["gpus"] > 1:
+        rows.insert(6, ("x GPUs", f"{r['tokens_per_s_all_gpus_no_comm']:,.0f} tokens/s for "
+                                  f"{r['gpus']} (upper bound: all-reduce not timed)"))
     for name, value in rows:
         print(f"{name:<14}{value}")
 
 
+def print_comparison(r: dict) -> None:
+    """The losses side by side (after each loss's table), for --fused-loss auto."""
+    print(f"{'loss':<16}{'step ms':>9}{'vs first':>10}{'tokens/s':>12}{'peak GiB':>10}"
+          f"{'first loss':>12}")
+    for name, figures in r["by_loss"].items():
+        print(f"{name:<16}{1000 * figures['step_time_s']:>9.1f}"
+              f"{r['step_time_vs_first'][name]:>9.2f}x{figures['tokens_per_s']:>12,.0f}"
+              f"{peak_memory_gib(figures):>10.2f}"
+              f"{figures['loss_per_token_first_update']:>12.4f}")
+    verdict = ("n/a (not compared)" if r["auto_is_fastest"] is None
+               else "the faster" if r["auto_is_fastest"] else "NOT the faster")
+    lowest = r["lowest_memory_loss"] or "n/a (CPU: peak RSS is the process's)"
+    print(f"fastest {r['fastest_loss']}, lowest peak memory {lowest}; "
+          f"--fused-loss auto picks {r['auto_fused_loss']} on {r['device']}: {verdict}; "
+          f"first-update loss spread {r['first_update_loss_max_abs_diff']:.2g}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags (defaults: the WMT recipe's batching), with `losses` (the --loss list) and
+    --smoke's sizes applied; a bad --loss / --gpus combination is a usage error."""
     recipe = load_recipe("wmt14-en-de").training
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="base", choices=["base", "big", "small", "tiny"])
     parser.add_argument("--steps", type=int, default=20, help="timed updates")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed first updates")
+    parser.add_argument("--warmup", type=int, default=5,
+                        help="untimed first updates (the timed ones also run once untimed "
+                        "before they are timed)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--loss", default="reference",
-                        choices=["reference", "fused", "fused-compiled"])
+                        help="reference | fused | fused-compiled, a comma-separated list of "
+                        "them, both (reference,fused) or all: several are timed one after "
+                        "the other and compared")
+    parser.add_argument("--gpus", type=int, default=1,
+                        help="time one GPU's shape of an N-GPU run (derive_batching on "
+                        "WMT-like lengths: 8 is 1 x 3,308 tokens per GPU); all-reduce not "
+                        "timed")
     parser.add_argument("--chunk-rows", type=int, default=DEFAULT_CHUNK_ROWS,
                         help="rows per chunk of the fused loss")
     parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--max-tokens", type=int, default=int(recipe["max_tokens"]),
-                        help="padded tokens per micro-batch (the WMT recipe's per-GPU value)")
+                        help="cap on padded tokens per micro-batch per GPU (the WMT "
+                        "recipe's)")
     parser.add_argument("--batch-tokens", type=int, default=int(recipe["batch_tokens"]),
-                        help="tokens per update; update-freq derived for one GPU")
+                        help="real tokens per side per update over all GPUs; update-freq "
+                        "and tokens per micro-batch derived for --gpus")
     parser.add_argument("--update-freq", type=int, default=0,
-                        help="micro-batches per update (0: derived from --batch-tokens)")
+                        help="micro-batches of --max-tokens per update (0: derived from "
+                        "--batch-tokens and --gpus)")
     parser.add_argument("--vocab", type=int, default=VOCAB)
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="dense bf16 peak of the device, overriding the table")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--smoke", action="store_true",
-                        help="CPU, tiny model, vocab 1000, max-tokens 512, 1+2 updates")
+                        help="CPU, tiny model, vocab 1000, max-tokens 1024, batch-tokens "
+                        "2048, 1+2 updates per loss")
     opt = parser.parse_args(argv)
+    try:
+        opt.losses = loss_list(opt.loss)
+    except ValueError as err:
+        parser.error(str(err))
+    if opt.gpus < 1:
+        parser.error("--gpus must be >= 1")
+    if opt.gpus > 1 and opt.update_freq:
+        parser.error("--gpus derives the update's shape from --batch-tokens: leave out "
+                     "--update-freq")
     if opt.smoke:
-        opt.arch, opt.device, opt.vocab, opt.max_tokens = "tiny", "cpu", 1000, 512
-        opt.batch_tokens, opt.update_freq, opt.steps, opt.warmup = 512, 1, 2, 1
+        opt.arch, opt.device, opt.vocab, opt.max_tokens = "tiny", "cpu", 1000, 1024
+        opt.batch_tokens, opt.update_freq, opt.steps, opt.warmup = 2048, 0, 2, 1
         # One thread: on a shared CI machine, OpenMP threads spinning against other jobs
         # make a tiny step take seconds instead of milliseconds.
         torch.set_num_threads(1)
     return opt
 
 
+def loss_list(text: str) -> list[str]:
+    """--loss as the losses to time, in order: names of LOSSES separated by commas, `both`
+    (reference, fused: what --fused-loss off / on train with) or `all`."""
+    names: list[str] = []
+    for part in text.split(","):
+        for name in LOSS_ALIASES.get(part.strip(), (part.strip(),)):
+            if name not in LOSSES:
+                raise ValueError(f"--loss: unknown {name!r}; choose from "
+                                 f"{', '.join((*LOSSES, *LOSS_ALIASES))}")
+            if name not in names:
+                names.append(name)
+    return names
+
+
 def main() -> None:
+    """Parse the flags, time, print each loss's table (and the comparison), then the JSON
+    line."""
     opt = parse_args()
     result = run(opt)
-    print_table(result)
+    if "by_loss" in result:
+        for name in result["losses"]:
+            print(f"--- loss {name}")
+            print_table({**result, **result["by_loss"][name], "loss": name})
+        print("---")
+        print_comparison(result)
+    else:
+        print_table(result)
     print(json.dumps(result))
 
 

@@ -22,6 +22,7 @@ BEST_METRICS: dict[str, Literal["lower", "higher"]] = {
     "loss": "lower", "bleu": "higher", "chrf": "higher"}
 # Learning-rate schedules by name; their builders: nmt/train/schedule.py SCHEDULES.
 LR_SCHEDULES: tuple[str, ...] = ("inverse_sqrt",)  # the paper's (section 5.3)
+FUSED_LOSS: tuple[str, ...] = ("auto", "on", "off")  # TrainConfig.fused_loss
 # Decoding also offers int8 (CPU only: int8 linear layers, see nmt/inference/int8_linear.py).
 DECODE_PRECISIONS: tuple[str, ...] = (*PRECISIONS, "int8")
 
@@ -146,8 +147,16 @@ class TrainConfig:
     max_tokens: int = _setting(4096, "Tokens (padding included) per process per micro-batch.")
     update_freq: int = _setting(1, "Micro-batches accumulated per update.")
     batch_tokens: int | None = _setting(
-        None, "Tokens per update (paper: 25000); derives "
-        "update-freq = ceil(B / (processes x max-tokens)).", shown_default="off")
+        None, "Real tokens per side per update, (source + target) / 2 without padding "
+        "(paper: 25000); derives update-freq and the micro-batch size (at most max-tokens) "
+        "for the number of processes from how full the data's batches are measured to be.",
+        shown_default="off")
+    # auto: fused on CUDA (it never holds the (rows, vocab) logits; its speed there is for
+    # bench/gpu_train_speed.py --loss both to decide, no GPU figure yet), reference on a
+    # CPU (there the recomputed logits cost 1.3x at base shapes; see nmt/train/loss.py).
+    fused_loss: str = _setting(  # see FUSED_LOSS
+        "auto", "auto | on | off: project to the vocabulary chunk by chunk inside the loss "
+        "(never the whole logits); auto = on for CUDA, off for a CPU.")
     max_len: int = _setting(
         256, "Skip training pairs with a side longer than this (tokens incl. EOS).")
     # auto: bf16 where native (Ampere+ GPU, bf16 CPU), fp16 on older GPUs, else fp32 (see
@@ -202,6 +211,9 @@ class TrainConfig:
         if self.lr_schedule not in LR_SCHEDULES:
             raise UsageError(f"unknown lr schedule {self.lr_schedule!r}; choose one of: "
                              f"{', '.join(LR_SCHEDULES)}")
+        if self.fused_loss not in FUSED_LOSS:
+            raise UsageError(f"unknown fused-loss {self.fused_loss!r}; choose one of: "
+                             f"{', '.join(FUSED_LOSS)}")
         if self.best_metric not in BEST_METRICS:
             raise UsageError(f"unknown best metric {self.best_metric!r}; choose one of: "
                              f"{', '.join(BEST_METRICS)}")

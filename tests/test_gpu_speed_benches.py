@@ -28,6 +28,12 @@ def test_train_speed_smoke(loss):
     report = _run(["bench/gpu_train_speed.py", "--smoke", "--loss", loss])
     assert report["bench"] == "gpu_train_speed" and report["smoke"] and report["loss"] == loss
     assert report["arch"] == "tiny" and report["device"] == "cpu" and report["updates"] == 2
+    # One GPU's shape of the smoke recipe (max-tokens 1024, batch-tokens 2048 real tokens
+    # per side), derived from the fill measured on the bench's WMT-like lengths: 3 x 739.
+    assert report["gpus"] == 1 and report["update_freq"] == 3
+    assert report["micro_tokens"] == 739 and report["batch_tokens"] == 2048
+    assert 3 * 739 * report["fill"] == pytest.approx(2048, rel=0.01)
+    assert "by_loss" not in report  # one loss: no comparison
     assert report["finite"] and report["tokens_per_s"] > 0 and report["step_time_s"] > 0
     assert report["src_tokens"] > 0 and report["tgt_tokens"] > 0
     assert report["mfu"] is None  # no peak for a CPU
@@ -57,3 +63,66 @@ def test_translate_speed_smoke(wmt14_dir, tmp_path):
         assert report["ratios"]["ct2_float32_over_nmt_fp32"] > 0
     else:
         assert report["ct2_skipped"]
+
+
+def test_train_speed_smoke_8_gpu_shape_both_losses():
+    """--gpus 8 --loss both: one GPU's share of an 8-GPU run (1 micro-batch of 1/8 of the
+    batch), the reference and the fused loss timed in one process from the same weights,
+    compared, and auto's choice on this device set against the faster."""
+    report = _run(["bench/gpu_train_speed.py", "--smoke", "--gpus", "8", "--loss", "both"])
+    assert report["gpus"] == 8 and report["update_freq"] == 1
+    # 2048 / 8 = 256 real tokens per side per GPU: 292 slots at the measured fill (the
+    # smoke's 3,308; 256 when the figure counted padded slots).
+    assert report["micro_tokens"] == 292
+    assert 8 * 292 * report["fill"] == pytest.approx(2048, rel=0.01)
+    assert report["losses"] == ["reference", "fused"] and report["loss"] == "reference"
+    by_loss = report["by_loss"]
+    assert set(by_loss) == {"reference", "fused"}
+    for name, figures in by_loss.items():
+        assert figures["finite"] and figures["step_time_s"] > 0, name
+        assert figures["tokens_per_s_all_gpus_no_comm"] == pytest.approx(
+            8 * figures["tokens_per_s"])
+        assert figures["peak_host_rss_gib"] > 0  # a CPU: no GPU figure pretended
+        assert "peak_memory_allocated_gib" not in figures
+    assert by_loss["reference"]["chunk_rows"] is None and by_loss["fused"]["chunk_rows"] > 0
+    # The top-level figures are the first loss's, so single-loss readers still work.
+    assert report["step_time_s"] == by_loss["reference"]["step_time_s"]
+    # Same weights, batch and dropout masks: the two losses agree on the first update.
+    assert report["first_update_loss_max_abs_diff"] < 1e-3
+    assert by_loss["fused"]["loss_per_token_first_update"] == pytest.approx(
+        by_loss["reference"]["loss_per_token_first_update"], abs=1e-3)
+    faster = min(by_loss, key=lambda name: by_loss[name]["step_time_s"])
+    assert report["fastest_loss"] == faster
+    assert report["step_time_vs_first"]["reference"] == 1.0
+    assert report["step_time_vs_first"]["fused"] == pytest.approx(
+        by_loss["fused"]["step_time_s"] / by_loss["reference"]["step_time_s"])
+    assert report["auto_fused_loss"] == "reference"  # --fused-loss auto on a CPU
+    assert report["auto_is_fastest"] == (faster == "reference")
+    assert report["lowest_memory_loss"] is None  # a CPU's peak RSS is not per loss
+
+
+def test_train_speed_shapes_and_loss_lists_without_running(monkeypatch):
+    """The fast loop's share: the WMT recipe's shapes (25,000 real tokens per side per
+    update, derived as `nmt train` does from the fill measured on WMT-like lengths: 1 GPU
+    3 x 8,805; 8 GPUs 1 x 3,308 each), --loss lists, bad flag combinations."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_train_speed",
+                                                  REPO / "bench" / "gpu_train_speed.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_train_speed", bench)  # its dataclass looks it up
+    spec.loader.exec_module(bench)
+    for gpus, shape in ((1, (3, 8805)), (8, (1, 3308)), (2, (2, 6608))):
+        freq, micro, fill = bench.update_shape(bench.parse_args(["--gpus", str(gpus)]))
+        assert (freq, micro) == shape
+        assert gpus * freq * micro * fill == pytest.approx(25000, rel=0.002)
+    assert bench.update_shape(bench.parse_args(["--update-freq", "3"])) == (3, 12500, None)
+    assert bench.parse_args(["--loss", "both"]).losses == ["reference", "fused"]
+    assert bench.loss_list("fused, reference,fused") == ["fused", "reference"]
+    assert bench.loss_list("all") == ["reference", "fused", "fused-compiled"]
+    with pytest.raises(ValueError, match="unknown 'fast'"):
+        bench.loss_list("reference,fast")
+    for bad in (["--loss", "fast"], ["--gpus", "0"], ["--gpus", "8", "--update-freq", "2"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)

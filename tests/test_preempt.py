@@ -60,13 +60,15 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _start(data: Path, run: Path, out: Path) -> list[subprocess.Popen]:
+def _start(data: Path, run: Path, out: Path, deferred: str = "0") -> list[subprocess.Popen]:
+    """Two ranks; `deferred` "1" runs the CUDA path's deferred statistics on the CPU."""
     port = _free_port()
     return [subprocess.Popen(
         [sys.executable, "-c", "from test_preempt import preempt_worker; "
          f"preempt_worker({rank}, 2, {port}, {str(data)!r}, {str(run)!r}, {str(out)!r})"],
-        cwd=Path(__file__).parent, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).parent), str(REPO)])},
+        cwd=Path(__file__).parent, env={**os.environ, "NMT_DEFER_STATS": deferred,
+                                        "PYTHONPATH": os.pathsep.join(
+                                            [str(Path(__file__).parent), str(REPO)])},
         stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
 
 
@@ -99,14 +101,18 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_sigterm_to_one_rank_saves_everywhere_and_resumes_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("deferred", ["0", "1"], ids=["in-line", "deferred"])
+def test_sigterm_to_one_rank_saves_everywhere_and_resumes_exactly(tmp_path: Path,
+                                                                   deferred: str) -> None:
+    """Both ways of reading an update's statistics: in-line (CPU) and deferred (CUDA's,
+    where the flag is read one update late and the update launched after it dropped)."""
     data = make_copy_data(tmp_path / "data", n_train=200, n_valid=20)
     reference = tmp_path / "reference"
-    assert _finish(_start(data, reference, tmp_path)) == [0, 0]
+    assert _finish(_start(data, reference, tmp_path, deferred)) == [0, 0]
 
     run, out = tmp_path / "run", tmp_path / "out"
     out.mkdir()
-    procs = _start(data, run, out)
+    procs = _start(data, run, out, deferred)
     _wait_for_updates(run, 5, procs)
     procs[1].send_signal(signal.SIGTERM)  # rank 1 alone, as a node's scheduler would
     assert _finish(procs) == [75, 75]
@@ -117,7 +123,7 @@ def test_sigterm_to_one_rank_saves_everywhere_and_resumes_exactly(tmp_path: Path
     assert texts[0].startswith(f"preempted: stopped by a preemption signal on another rank "
                                f"at update {step}")
 
-    assert _finish(_start(data, run, out)) == [0, 0]  # the same command again
+    assert _finish(_start(data, run, out, deferred)) == [0, 0]  # the same command again
     assert (out / "rank0.txt").read_text() == f"done {UPDATES}"
     assert _same(_weights(run), _weights(reference))
 

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import math
+import random
 
+import numpy as np
 import pytest
 import torch
-from helpers.data import make_copy_data
+from helpers.data import copy_task_pairs, make_copy_data, write_text_data
 
 import nmt.train.loop as loop
 import nmt.train.step as step
 from nmt.checkpoint import load_checkpoint
 from nmt.config import TrainConfig, model_preset
+from nmt.data.batching import batch_by_tokens
 from nmt.errors import CheckpointError, TrainingAborted
 from nmt.train.log import read_jsonl
-from nmt.train.loop import derive_batching, train
+from nmt.train.loop import FillMeter, derive_batching, train
 
 
 @pytest.fixture(scope="module")
@@ -156,8 +159,11 @@ def test_nonfinite_loss_never_reaches_weights(copy_data, tmp_path, monkeypatch):
 
 def test_batch_tokens_derives_update_freq_and_micro_batch_size():
     """--batch-tokens is the update's size on any number of processes; --max-tokens caps
-    a micro-batch: the paper's 25,000 on 1 and on 8 GPUs."""
+    a micro-batch: the paper's 25,000 on 1 and on 8 GPUs. Without the training lengths
+    (the benches' shapes) nothing is measured: the fill is taken as 1, so B counts padded
+    slots (with lengths: `test_batch_tokens_counts_real_tokens_per_side`)."""
     one = derive_batching(TrainConfig(batch_tokens=25000, max_tokens=4096), 1)
+    assert one.fill is None
     assert (one.update_freq, one.micro_tokens) == (7, 3572)  # 7 x 3572 = 25,004
     eight = derive_batching(TrainConfig(batch_tokens=25000, max_tokens=12000), 8)
     assert (eight.update_freq, eight.micro_tokens) == (1, 3125)  # not 8 x 12000
@@ -173,6 +179,88 @@ def test_batch_tokens_derives_update_freq_and_micro_batch_size():
     assert tiny.micro_tokens == 128  # never below --max-len: long pairs still fit
     plain = derive_batching(TrainConfig(update_freq=3, max_tokens=999), 4)
     assert (plain.update_freq, plain.micro_tokens) == (3, 999)
+
+
+def _uneven_pairs(n: int, seed: int) -> list[tuple[str, str]]:
+    """Copy-task pairs of 3-20 words whose target keeps only the first half to all of the
+    source's words: the sides differ in length, as real ones do, so the padded slots of
+    the longer side overstate the real tokens per side."""
+    rng = random.Random(seed)
+    pairs = []
+    for src, _ in copy_task_pairs(n, seed, max_len=20):
+        words = src.split()
+        pairs.append((src, " ".join(words[:rng.randint((len(words) + 1) // 2, len(words))])))
+    return pairs
+
+
+@pytest.fixture(scope="module")
+def uneven_data(tmp_path_factory):
+    return write_text_data(tmp_path_factory.mktemp("data") / "uneven",
+                           {"train": _uneven_pairs(600, 1), "valid": _uneven_pairs(20, 2)},
+                           vocab_size=360)
+
+
+def _real_per_side(src: np.ndarray, tgt: np.ndarray, batches: list[np.ndarray]) -> float:
+    """Mean real tokens per side, (source + target) / 2 with EOS, of one micro-batch."""
+    return float(np.mean([(src[b] + tgt[b] + 2).sum() / 2 for b in batches]))
+
+
+def test_fill_meter_counts_the_batches_batch_by_tokens_builds():
+    """The fill is measured on the very batches training builds (pairs over --max-len
+    skipped), from sorted costs alone."""
+    rng = np.random.default_rng(0)
+    src = rng.integers(1, 60, 3000)
+    tgt = np.clip(src + rng.integers(-8, 9, 3000), 1, None)
+    meter = FillMeter(src, tgt, max_len=48)
+    for micro in (48, 50, 97, 256, 1000, 4096):
+        built = batch_by_tokens(src, tgt, micro, 48).batches
+        real = sum(int((src[b] + tgt[b] + 2).sum()) for b in built)
+        assert meter.batch_count(micro) == (len(built), real)
+        assert meter.fill(micro) == pytest.approx(real / 2 / (len(built) * micro))
+
+
+def test_batch_tokens_counts_real_tokens_per_side(uneven_data, tmp_path):
+    """--batch-tokens B: an update holds about B real tokens per side, (source + target
+    tokens) / 2 without padding, on 1, 2 or 8 processes from the same lengths. Counted in
+    padded slots of the longer side (before), these updates held 14-17 % fewer."""
+    import io
+
+    from nmt.data.dataset import ParallelData
+    from nmt.train.log import PlainReporter
+
+    batch, cap, max_len = 1024, 256, 32
+    data = ParallelData.open(uneven_data, "train")
+    src, tgt = data.src.lengths, data.tgt.lengths
+    cfg = _cfg(max_updates=100, max_epochs=1, max_tokens=cap, max_len=max_len,
+               batch_tokens=batch, update_freq=1)
+    for world in (1, 2, 8):
+        shape = derive_batching(cfg, world, src, tgt)
+        assert shape == derive_batching(cfg, world, src, tgt)  # resume re-derives it
+        assert max_len <= shape.micro_tokens <= cap
+        built = batch_by_tokens(src, tgt, shape.micro_tokens, max_len).batches
+        assert shape.fill == pytest.approx(_real_per_side(src, tgt, built)
+                                           / shape.micro_tokens)
+        per_update = world * shape.update_freq * _real_per_side(src, tgt, built)
+        assert per_update == pytest.approx(batch, rel=0.03), (world, shape)
+
+    # What training logs: one epoch on one process, every full update.
+    torch.set_num_threads(1)
+    out = io.StringIO()
+    train(uneven_data, tmp_path / "r", MODEL, cfg, "cpu", progress=PlainReporter(out))
+    shape = derive_batching(cfg, 1, src, tgt)
+    full = len(batch_by_tokens(src, tgt, shape.micro_tokens, max_len).batches) \
+        // shape.update_freq  # the epoch's last update may hold fewer micro-batches
+    records = [r for r in read_jsonl(tmp_path / "r" / "train_log.jsonl")
+               if r["kind"] == "train"][:full]
+    assert full >= 5 and len(records) == full
+    assert all(r["update_freq"] == shape.update_freq for r in records)
+    per_side = [(r["source_tokens_per_update"] + r["target_tokens_per_update"]) / 2
+                for r in records]
+    assert float(np.mean(per_side)) == pytest.approx(batch, rel=0.03), per_side
+    assert (f"1 process(es) x max-tokens {shape.micro_tokens} x update-freq "
+            f"{shape.update_freq} (derived from --batch-tokens {batch} real tokens per "
+            f"side: micro-batches measured {100 * shape.fill:.1f} % full, about ") \
+        in out.getvalue(), out.getvalue()
 
 
 @pytest.mark.parametrize("update_freq, max_epochs", [(2, 0), (1, 3)])

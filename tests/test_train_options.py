@@ -8,6 +8,7 @@ import dataclasses
 import inspect
 
 import pytest
+import torch
 import typer
 import typer.models
 from helpers.cli import NMT_CLI, assert_one_line
@@ -117,8 +118,32 @@ def test_a_new_documented_field_becomes_a_flag_with_no_cli_edit():
     (["--max-updates", "-3"], "max-updates must be positive, got -3"),
     (["--precision", "fp8"], "unknown precision 'fp8'"),
     (["--heads", "7"], "is not divisible by heads 7"),
+    (["--fused-loss", "maybe"], "unknown fused-loss 'maybe'; choose one of: auto, on, off"),
 ])
 def test_a_bad_value_is_one_line_and_exit_2(tmp_path, args, message):
     result = NMT_CLI.invoke("train", tmp_path / "data", "-o", tmp_path / "r", *args)
     assert_one_line(result, 2, message)
     assert not (tmp_path / "r").exists()
+
+
+def test_fused_loss_is_a_choice_with_auto_decided_by_the_device():
+    """--fused-loss: the chunked projected loss is chosen, not forced by the device type."""
+    from nmt.train.loss import fused_loss_enabled
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert fused_loss_enabled("auto", cuda) and not fused_loss_enabled("auto", cpu)
+    assert fused_loss_enabled("on", cpu) and not fused_loss_enabled("off", cuda)
+
+
+def test_the_trainer_takes_the_fused_loss_choice(tmp_path):
+    from helpers.data import make_copy_data
+
+    from nmt.config import TrainConfig, model_preset
+    from nmt.train.loop import Trainer
+
+    data = make_copy_data(tmp_path / "data", n_train=40, n_valid=8)
+    for choice, fused in (("on", True), ("off", False), ("auto", False)):  # auto: CPU
+        trainer = Trainer(data, tmp_path / choice, model_preset("tiny"),
+                          TrainConfig(fused_loss=choice, max_tokens=256, max_len=32), "cpu",
+                          progress=False)
+        assert trainer.fused_loss is fused and trainer.loss_options.fused is fused

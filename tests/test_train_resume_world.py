@@ -5,7 +5,8 @@
   visible GPU's state was saved and `set_rng_state_all` raised IndexError). No GPU is
   needed: torch.cuda's RNG calls are replaced by fakes that behave like them.
 - gloo, 1 -> 2 and 2 -> 1 processes: the run resumes, --batch-tokens keeps the batch per
-  update (update-freq re-derived), and the start-up output says so; DDP wraps the model
+  update (update-freq and micro-batch size re-derived from the data's measured fill), and
+  the start-up output says so; DDP wraps the model
   without a buffer broadcast per forward and with gradients as bucket views (item 8).
 - A rank that reads other data or resolves other settings stops every rank at once with
   one line naming it and the difference (item 4).
@@ -25,8 +26,9 @@ import torch
 from helpers.data import make_copy_data
 
 from nmt.config import TrainConfig, model_preset
+from nmt.data.dataset import ParallelData
 from nmt.train.log import PlainReporter, read_jsonl
-from nmt.train.loop import train
+from nmt.train.loop import derive_batching, train
 from nmt.train.state import capture_rng, restore_rng
 
 REPO = Path(__file__).resolve().parents[1]
@@ -149,16 +151,24 @@ def test_resume_on_another_number_of_processes_keeps_the_batch(tmp_path: Path, b
     else:
         said = _run(after, data, run, 6)
     if after == 2:  # no buffer broadcast each forward, gradients in DDP's own buckets
-        assert "DDP [('broadcast_buffers', False), ('device_ids', None), " \
+        assert "DDP [('device_ids', None), ('forward_sync_buffers', False), " \
                "('gradient_as_bucket_view', True)]" in said, said
-    freq = {1: 2, 2: 1}  # 512 tokens per update: 2 x 256 on one process, 1 x 256 on two
+        assert "FutureWarning" not in said, said
+    # 512 real tokens per side per update, the shape re-derived for each number of
+    # processes from the data's measured fill (1 process: more micro-batches than 2 x 256).
+    lengths = ParallelData.open(data, "train")
+    shape = {world: derive_batching(_cfg(6), world, lengths.src.lengths, lengths.tgt.lengths)
+             for world in (1, 2)}
+    now = shape[after]
     assert (f"resumed a run saved by {before} process(es) on {after}: --batch-tokens 512 "
-            f"gives update-freq {freq[after]} x 256 tokens per process, the same batch per "
-            "update") in said, said
+            f"real tokens per side gives update-freq {now.update_freq} x {now.micro_tokens} "
+            f"tokens per process (micro-batches measured {100 * now.fill:.1f} % full, about "
+            f"{after * now.update_freq * now.micro_tokens * now.fill:,.0f} real tokens per "
+            "side per update), the same batch per update") in said, said
     records = [r for r in read_jsonl(run / "train_log.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert [(r["world_size"], r["update_freq"]) for r in records] == \
-        [(before, freq[before])] * 3 + [(after, freq[after])] * 3
+        [(before, shape[before].update_freq)] * 3 + [(after, now.update_freq)] * 3
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
 
 

@@ -7,13 +7,16 @@ all its micro-batches and ranks divided by the number of target tokens in all of
 gradients over ranks, so each rank scales its loss by world_size / tokens. Two ranks with
 max-tokens T therefore make the same update as one process with update-freq 2.
 
-Host synchronisation: one per update, after the gradients are complete: the loss sum, NLL
-sum and gradient norm (plus, when distributed, rank 0's save/stop decisions, all-reduced
-from a reused pinned buffer) travel in one small tensor read with a single `.tolist()`.
-On CUDA the next update's micro-batches are collated, pinned and copied on a background
-thread meanwhile (nmt/train/prefetch.py). The finiteness
-check (loss and gradient norm) uses those numbers, so a NaN/inf never reaches the weights:
-the optimizer step is skipped (fp16: GradScaler skips it and lowers the scale) and counted.
+Host synchronisation: one read per update, of one small tensor: the loss sum, NLL sum and
+gradient norm, plus, when distributed, rank 0's save/stop decisions and any rank's
+preemption flag, all-reduced (nmt/train/readback.py). On a CPU it is read right after the
+backward and the update applied or skipped from the host. On CUDA the read is deferred
+(`Trainer._train`): the optimizer step is queued behind the backward with a device-side
+non-finite check (fused Adam skips itself, as under GradScaler), the next update is
+queued, and only then are the numbers read, so the GPU never idles waiting for the host;
+the next update's micro-batches are also collated, pinned and copied on a background
+thread (nmt/train/prefetch.py). Either way a NaN/inf never reaches the weights: the step is
+skipped (fp16: GradScaler skips it and lowers the scale) and counted.
 `encode()` gets `has_pad` from the host-side lengths, so the model adds no sync either.
 
 Hot path (measured in bench/train_throughput.py): only the non-PAD target positions are
@@ -29,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import inspect
 import math
 import random
 import time
@@ -49,6 +53,7 @@ from nmt.checkpoint import (
     save_checkpoint,
 )
 from nmt.config import ModelConfig, TrainConfig
+from nmt.data.batching import pair_costs
 from nmt.data.dataset import ParallelData, corpus_ranges, language_pair, load_vocab
 from nmt.device import allow_tf32, resolve_device, set_cuda_allocator_default
 from nmt.errors import (
@@ -74,10 +79,12 @@ from nmt.train.ema import WeightAverage
 from nmt.train.feed import Micro, TrainFeed, Update
 from nmt.train.init_from import check_init_from
 from nmt.train.log import JsonlLog, PlainReporter, TrainReporter, warn_line
+from nmt.train.loss import fused_loss_enabled
 from nmt.train.preempt import PreemptionWatch
 from nmt.train.prefetch import Prefetcher
+from nmt.train.readback import Pending, Readback
 from nmt.train.sampling import EpochBatches
-from nmt.train.schedule import build_optimizer, build_schedule
+from nmt.train.schedule import build_optimizer, build_schedule, load_optimizer_state
 from nmt.train.state import (
     LAST,
     DataState,
@@ -87,7 +94,15 @@ from nmt.train.state import (
     write_checkpoint,
     write_resume_point,
 )
-from nmt.train.step import LossOptions, apply_update, train_step
+from nmt.train.step import (
+    LossOptions,
+    advance,
+    apply_update,
+    defer_statistics,
+    launch_update,
+    nonfinite,
+    train_step,
+)
 from nmt.train.validate import validate
 
 
@@ -109,24 +124,132 @@ class TrainSummary:
 
 @dataclass(frozen=True)
 class Batching:
-    """Micro-batches per process per update, and padded tokens per micro-batch."""
+    """Micro-batches per process per update, padded tokens per micro-batch (the budget
+    `batch_by_tokens` fills), and the fill the shape was derived with."""
 
     update_freq: int
     micro_tokens: int
+    # Real tokens per side per micro-batch over `micro_tokens`, measured on the training
+    # lengths at this size (`FillMeter`); None: not measured (no --batch-tokens or lengths).
+    fill: float | None = None
 
 
-def derive_batching(cfg: TrainConfig, world_size: int) -> Batching:
-    """--batch-tokens B: update_freq = ceil(B / (world_size x max_tokens)) micro-batches per
-    process, each of ceil(B / (world_size x update_freq)) tokens (at most --max-tokens, at
-    least --max-len), so one update holds about B tokens on any number of processes: with
-    B = 25000 and max-tokens 12000, one GPU runs 3 x 8334 and eight GPUs 1 x 3125 each (not
-    8 x 12000). --max-tokens is the memory cap; B is the paper's batch. Without B:
-    --update-freq and --max-tokens as given."""
+class FillMeter:
+    """How full `batch_by_tokens` packs the training pairs at a given micro-batch size.
+
+    The fill at size M is the mean real tokens per side of a micro-batch, (source + target
+    tokens) / 2 with EOS and no padding, over M, for the batches `batch_by_tokens` builds
+    from these lengths with `--max-tokens` M. M counts padded slots of each pair's longer
+    side, so the fill is below 1 by the padding of each batch's shorter pairs, by the slack
+    a batch leaves under M, and by each pair's shorter side (newstest2013+2014: 0.90 at
+    M = 3,125, 0.84-0.86 at 12,500; a synthetic WMT-sized corpus: 0.95). Those batches
+    depend only on the sorted pair costs (max(src, tgt) + 1), so the costs are sorted
+    once here and each size costs one vectorised pass plus a binary search per batch
+    (0.4-0.6 s in all for 4.5M pairs on a 2-core Xeon): the greedy rule of `batch_by_tokens`, which
+    `tests/test_train_loop.py` holds this count to.
+    """
+
+    def __init__(self, src_lens: np.ndarray, tgt_lens: np.ndarray, max_len: int) -> None:
+        src = np.asarray(src_lens, np.int64)
+        tgt = np.asarray(tgt_lens, np.int64)
+        self.pair_cost = pair_costs(src, tgt)  # (pairs,) padded slots per pair
+        self.both_sides = src + tgt + 2  # (pairs,) real source + target tokens, EOS included
+        self.costs = np.sort(self.pair_cost)  # (pairs,) non-decreasing
+        self.max_len = max_len
+
+    def batch_count(self, micro_tokens: int) -> tuple[int, int]:
+        """(batches, real source + target tokens in them) of
+        `batch_by_tokens(src, tgt, micro_tokens, max_len)`."""
+        limit = min(self.max_len, micro_tokens)  # longer pairs are skipped
+        kept = self.costs[:int(np.searchsorted(self.costs, limit, side="right"))]
+        # As in batch_by_tokens: the batch from `start` ends after the last j with
+        # g[j] = j + 1 - micro // cost[j] <= start (g is non-decreasing).
+        g = np.arange(1, kept.shape[0] + 1, dtype=np.int64) - micro_tokens // np.maximum(
+            kept, 1)
+        count, start = 0, 0
+        while start < kept.shape[0]:
+            start = max(int(np.searchsorted(g, start, side="right")), start + 1)
+            count += 1
+        return count, int(self.both_sides[self.pair_cost <= limit].sum())
+
+    def fill(self, micro_tokens: int) -> float:
+        """Real tokens per side per micro-batch over `micro_tokens` (1.0 without pairs)."""
+        count, both = self.batch_count(micro_tokens)
+        return both / 2 / (count * micro_tokens) if count else 1.0
+
+
+REFILLS = 4  # at most this many micro-batch sizes measured after --max-tokens itself
+
+
+def derive_batching(cfg: TrainConfig, world_size: int, src_lens: np.ndarray | None = None,
+                    tgt_lens: np.ndarray | None = None) -> Batching:
+    """The update's shape from --batch-tokens B: about B real tokens per side per update,
+    i.e. (source + target tokens) / 2 = B, EOS included, no padding (the paper's "about
+    25000 source tokens and 25000 target tokens"), on any number of processes W, in
+    micro-batches of at most --max-tokens padded slots (the memory cap).
+
+    A micro-batch of M slots holds M x fill(M) real tokens per side, the fill measured
+    with the project's own batching on the training lengths (`FillMeter`), so:
+    update_freq F = ceil(B / (W x max-tokens x fill(max-tokens))) and
+    M = ceil(B / (W x F x fill)) (at most --max-tokens, at least --max-len), its fill
+    re-measured at M and M adjusted to it (up to `REFILLS` times, until M repeats; the M
+    whose W x F x M x fill(M) is nearest to B is kept). That product is then about B, on
+    one GPU (F x M) as on eight (1 x M each) although smaller micro-batches pack tighter;
+    counted in padded slots (the meaning before) the updates fell 10-16 % short on
+    newstest2013+2014 (5 % on a synthetic WMT-sized corpus), by more on fewer GPUs.
+    Deterministic: the same lengths, flags and W give the same shape, so a resume
+    re-derives it exactly (and re-derives it on another W).
+
+    Without lengths (the benches' shapes from flags alone) the fill is taken as 1: B then
+    counts padded slots. The fill is measured on the whole training split; a weighted
+    corpus mix draws each epoch from it and packs about alike. Without B: --update-freq
+    and --max-tokens as given."""
     if not cfg.batch_tokens:
         return Batching(cfg.update_freq, cfg.max_tokens)
-    freq = max(1, math.ceil(cfg.batch_tokens / (world_size * cfg.max_tokens)))
-    micro = math.ceil(cfg.batch_tokens / (world_size * freq))
-    return Batching(freq, min(cfg.max_tokens, max(micro, cfg.max_len)))
+    batch, cap, floor = cfg.batch_tokens, cfg.max_tokens, cfg.max_len
+    meter = None if src_lens is None or tgt_lens is None else FillMeter(src_lens, tgt_lens,
+                                                                         floor)
+
+    def fill_at(micro: int) -> float:
+        return 1.0 if meter is None else meter.fill(micro)
+
+    def size(freq: int, fill: float) -> int:
+        return min(cap, max(math.ceil(batch / (world_size * freq * fill)), floor))
+
+    fill = fill_at(cap)
+    freq = max(1, math.ceil(batch / (world_size * cap * fill)))
+    # Re-measure at each new size (a large corpus settles at once; a small one's fill
+    # jumps with the size) and keep the size whose update comes nearest to B.
+    tried: dict[int, float] = {cap: fill}
+    micro = size(freq, fill)
+    for _ in range(REFILLS):
+        if micro in tried:
+            break
+        tried[micro] = fill_at(micro)
+        micro = size(freq, tried[micro])
+    micro = min(tried, key=lambda m: (abs(world_size * freq * m * tried[m] - batch), m))
+    return Batching(freq, micro, None if meter is None else tried[micro])
+
+
+def fill_note(batching: Batching, world_size: int) -> str:
+    """What a derived shape holds, for the start-up line and the resume note: "micro-batches
+    measured N % full, about R real tokens per side per update" (R = W x F x M x fill)."""
+    if batching.fill is None:
+        return "fill not measured: counted in padded slots"
+    real = world_size * batching.update_freq * batching.micro_tokens * batching.fill
+    return (f"micro-batches measured {100 * batching.fill:.1f} % full, about {real:,.0f} "
+            "real tokens per side per update")
+
+
+def _no_buffer_sync() -> dict[str, bool]:
+    """DDP's option for "no buffer broadcast every forward": `forward_sync_buffers`
+    where torch has it (it deprecated `broadcast_buffers` in 2.13, with a FutureWarning on
+    every rank), else `broadcast_buffers`. Buffers still agree at start either way: every
+    rank builds the same sinusoid tables."""
+    ddp = torch.nn.parallel.DistributedDataParallel  # the class, not a wrapper around it
+    if "forward_sync_buffers" in inspect.signature(ddp).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def _check_resume(payload: dict[str, Any], model_cfg: ModelConfig, path: Path) -> None:
@@ -172,6 +295,20 @@ class _Run:
 
 
 @dataclass
+class _Launched:
+    """An update whose forward and backward are queued, its statistics on the way to the
+    host (nmt/train/readback.py)."""
+
+    update: Update
+    stats: Pending  # loss sum, NLL sum, [flags summed over ranks,] gradient norm
+    flags: list[float]  # this rank's save/stop/preempt flags (used as-is on one process)
+    tgt_tokens: int  # target tokens of the update, all ranks
+    src_tgt_tokens: int  # source + target tokens, all ranks
+    found_inf: torch.Tensor | None  # deferred path: 1.0 on the device where not finite
+    rng_before: dict[str, Any] | None  # deferred path: RNG state before its dropout
+
+
+@dataclass
 class _Window:
     """Running sums between two log lines."""
 
@@ -212,7 +349,11 @@ class Trainer:
         self.model_cfg = self._checked_model_config(model_cfg)
         self.train_data = ParallelData.open(self.data_dir, "train")
         self.valid_data = self._open_valid()
-        self.batching = derive_batching(train_cfg, self.env.world_size)
+        # --batch-tokens: the shape for B real tokens per side per update, from the fill
+        # this data's batches are measured to have (alike on every rank and every resume).
+        self.batching = derive_batching(train_cfg, self.env.world_size,
+                                        self.train_data.src.lengths,
+                                        self.train_data.tgt.lengths)
         self.update_freq = self.batching.update_freq
         self._build_model()
         self._check_ranks_agree()
@@ -220,12 +361,14 @@ class Trainer:
             else None
         self.best = BestTracker(train_cfg.best_metric, train_cfg.patience)
         self.notes: list[str] = []  # said once training starts (after the progress bar)
-        self._flag_buffer: torch.Tensor | None = None
+        self.readback = Readback(self.device)  # statistics to the host, flags to the device
+        # Deferred path: the RNG state as of the last settled update (see _launch).
+        self._state_rng: dict[str, Any] | None = None
         # Prepare the next update's batches on a thread while the GPU computes (CUDA only).
         self.prefetch = self.device.type == "cuda"
         # Output projection + loss chunked over rows, never the whole (rows, vocab) logits
-        # (CUDA only: on a CPU the recomputed logits cost 1.3x at base shapes; see loss.py).
-        self.fused_loss = self.device.type == "cuda"
+        # (auto: CUDA only; on a CPU the recomputed logits cost 1.3x at base shapes).
+        self.fused_loss = fused_loss_enabled(train_cfg.fused_loss, self.device)
         self.loss_options = LossOptions(train_cfg.label_smoothing, self.model_cfg.pad_id,
                                         fused=self.fused_loss)
         self.step = 0
@@ -245,8 +388,8 @@ class Trainer:
             # The only buffers are the fixed sinusoid tables (and cached masks): nothing to
             # broadcast every forward. Gradients live in DDP's buckets (no second copy).
             self.net = DistributedDataParallel(self.model, device_ids=ids,
-                                               broadcast_buffers=False,
-                                               gradient_as_bucket_view=True)
+                                               gradient_as_bucket_view=True,
+                                               **_no_buffer_sync())
         self.corpora = corpus_ranges(self.data_dir)
         self.epoch_batches = self._build_batches()
         self.feed = TrainFeed(self.train_data, self.epoch_batches, self.env, self.update_freq,
@@ -294,7 +437,10 @@ class Trainer:
         _seed_everything(cfg.seed)  # same initial weights on every rank
         self.model = Transformer(self.model_cfg).to(self.device)
         _seed_everything(cfg.seed + self.env.rank)  # own dropout stream per rank
-        self.optimizer = build_optimizer(self.model.parameters(), cfg, self.device)
+        # Deferred statistics need Adam's fused kernel, which can skip a step by itself.
+        self.deferred = defer_statistics(self.device)
+        self.optimizer = build_optimizer(self.model.parameters(), cfg, self.device,
+                                         fused=self.deferred or self.device.type == "cuda")
         self.schedule = build_schedule(self.optimizer, self.model_cfg.d_model, cfg)
         # `auto` becomes bf16/fp16/fp32 for this device (logged at start).
         self.precision = resolve_precision(cfg.precision, self.device)
@@ -319,6 +465,8 @@ class Trainer:
         return {
             "model config": self.model_cfg.to_dict(), "settings": self.cfg.to_dict(),
             "precision": self.precision, "device type": self.device.type,
+            # The two paths order their collectives differently (NMT_DEFER_STATS).
+            "statistics read": "deferred" if self.deferred else "in-line",
             "train split (pairs, source tokens, target tokens)": sizes(self.train_data),
             "valid split (pairs, source tokens, target tokens)": sizes(self.valid_data),
             "vocabulary sha256": hashlib.sha256(self.vocab.proto).hexdigest(),
@@ -417,9 +565,10 @@ class Trainer:
         now, cfg = self.env.world_size, self.cfg
         head = f"resumed a run saved by {saved_by} process(es) on {now}: "
         if cfg.batch_tokens:
-            return (head + f"--batch-tokens {cfg.batch_tokens} gives update-freq "
-                    f"{self.update_freq} x {self.batching.micro_tokens} tokens per process, "
-                    "the same batch per update; this epoch's order is reshuffled")
+            return (head + f"--batch-tokens {cfg.batch_tokens} real tokens per side gives "
+                    f"update-freq {self.update_freq} x {self.batching.micro_tokens} tokens "
+                    f"per process ({fill_note(self.batching, now)}), the same batch per "
+                    "update; this epoch's order is reshuffled")
         return (head + f"each update now holds {now} x update-freq {self.update_freq} x "
                 f"--max-tokens {self.batching.micro_tokens} tokens, {now}/{saved_by} of "
                 "what it held (use --batch-tokens to keep the batch); this epoch's order is "
@@ -434,7 +583,7 @@ class Trainer:
         continued = not reset_optimizer and all(k in payload for k in ("optimizer",
                                                                         "scheduler"))
         if continued:
-            self.optimizer.load_state_dict(payload["optimizer"])
+            load_optimizer_state(self.optimizer, payload["optimizer"])
             self.schedule.load_state_dict(payload["scheduler"])
             if payload.get("scaler"):
                 self.scaler.load_state_dict(payload["scaler"])
@@ -465,14 +614,27 @@ class Trainer:
 
     # ----- one update -----
 
-    def _train_update(self, micro: list[Callable[[], Micro]], all_batches: list[np.ndarray],
-                      flags: list[float]) -> tuple[float, float, float, list[float], int, int]:
-        """`train_step` over the micro-batches, then the update's one host sync.
+    def _launch(self, update: Update, micro: list[Callable[[], Micro]], run: _Run
+                ) -> _Launched:
+        """Queue one update's forward and backward (`train_step`) and the copy of its
+        statistics to the host; nothing here waits for the device.
 
-        Returns (loss sum, nll sum, grad norm, flags summed over ranks, target tokens,
-        src+tgt tokens), all global over ranks.
+        The statistics (loss sum, NLL sum, rank 0's save/stop flags and any rank's
+        preemption flag, gradient norm) travel in one small tensor, all-reduced when
+        distributed: a flag any rank raised is raised for all. Time-based flags come from
+        rank 0 alone (ranks' clocks differ).
         """
-        all_ids = np.concatenate(all_batches)
+        cfg = self.cfg
+        want_save = (cfg.save_interval_minutes > 0
+                     and time.perf_counter() - run.last_save >= cfg.save_interval_minutes * 60)
+        want_stop = cfg.max_minutes > 0 and run.elapsed() >= cfg.max_minutes * 60
+        signalled = float(run.watch.requested is not None)
+        flags = ([float(want_save), float(want_stop), signalled] if self.env.is_main
+                 else [0., 0., signalled])
+        # Deferred: a save after the previous update must restore the RNG as it was
+        # before this update's dropout, which runs before that save.
+        rng_before = capture_rng(self.device) if self.deferred else None
+        all_ids = np.concatenate(update.all_batches)
         tgt_tokens = int(self.feed.tgt_cost[all_ids].sum())
         src_tgt_tokens = tgt_tokens + int(self.feed.src_cost[all_ids].sum())
         step = train_step(self.net, self.model, micro, tgt_tokens=tgt_tokens,
@@ -480,35 +642,29 @@ class Trainer:
                           precision=self.precision, loss=self.loss_options,
                           world_size=self.env.world_size, clip_norm=self.cfg.clip_norm)
         stats = torch.stack([step.loss_sum, step.nll_sum])
-        if self.env.active:  # summed over ranks: a flag any rank raised is raised for all
-            stats = torch.cat([stats, self._flags_on_device(flags)])
+        if self.env.active:
+            stats = torch.cat([stats, self.readback.flags_on_device(flags)])
             torch.distributed.all_reduce(stats)
         gnorm = step.grad_norm.float().reshape(1).to(stats.device)
-        values = torch.cat([stats, gnorm]).tolist()  # the one host sync of the update
-        got_flags = values[2:-1] if self.env.active else flags
-        return (values[0], values[1], values[-1], got_flags, tgt_tokens, src_tgt_tokens)
+        values = torch.cat([stats, gnorm])  # (2 [+ 3 flags] + 1,)
+        found_inf = nonfinite(values[0], values[-1]) if self.deferred else None
+        return _Launched(update, self.readback.start(values), flags, tgt_tokens,
+                         src_tgt_tokens, found_inf, rng_before)
 
-    def _flags_on_device(self, flags: list[float]) -> torch.Tensor:
-        """Rank 0's save/stop flags as a device tensor for the all-reduce, copied from one
-        reused (pinned, on CUDA) host buffer: `torch.tensor(x, device=cuda)` from pageable
-        memory would wait for the GPU's queue at every update. The previous update's copy
-        is complete (each update ends with a sync), so reusing the buffer is safe."""
-        if self._flag_buffer is None:
-            buffer = torch.zeros(len(flags), dtype=torch.float32)
-            self._flag_buffer = buffer.pin_memory() if self.device.type == "cuda" else buffer
-        self._flag_buffer.copy_(torch.tensor(flags, dtype=torch.float32))
-        return self._flag_buffer.to(self.device, non_blocking=True)
-
-    def _apply_update(self, finite: bool) -> None:
-        apply_update(self.optimizer, self.scaler, self.schedule, self.precision, finite,
-                     self.ema)
+    def _discard(self, launched: _Launched) -> None:
+        """Drop an update whose statistics will never be read (training stopped after
+        the previous one): its gradients go, the weights never saw it."""
+        self.optimizer.zero_grad(set_to_none=True)
+        del launched
 
     # ----- checkpoints -----
 
     def _save(self, elapsed: float, resume_only: bool = False) -> Path | None:
         """Save a training checkpoint: numbered (and checkpoint_last.pt), or with
         `resume_only` checkpoint_last.pt alone (see write_resume_point)."""
-        rngs = gather_objects(self.env, capture_rng(self.device))  # collective: all ranks
+        # Deferred path: the next update's dropout may already have run (see _launch).
+        rng = self._state_rng if self._state_rng is not None else capture_rng(self.device)
+        rngs = gather_objects(self.env, rng)  # collective: all ranks
         if not self.env.is_main:
             return None
         payload = build_payload(
@@ -547,14 +703,7 @@ class Trainer:
                     self._say(f"early stop at update {self.step} reached before (--patience "
                               f"{self.cfg.patience}: best {self.best.metric} at update "
                               f"{self.best.best_step}); nothing to train")
-                while self.step < self.cfg.max_updates and not run.summary.stopped_early:
-                    nxt = feed.next()
-                    if nxt is None:
-                        if self.feed.epoch_end is not None:
-                            self.data_state = self.feed.epoch_end  # past the last epoch
-                        break  # --max-epochs reached
-                    if self._run_update(*nxt, run):
-                        break
+                self._train(feed, run)
                 # Decided from what every rank knows alike, never from files: a rank that looked
                 # at RUN while rank 0 was still writing would enter a collective alone.
                 if (self.step != run.saved_step or self.step == 0) and not run.preempted:
@@ -585,7 +734,8 @@ class Trainer:
                   f"batches ({summary.skipped_pairs} longer than --max-len {cfg.max_len} "
                   f"skipped); {self.env.world_size} process(es) x max-tokens "
                   f"{self.batching.micro_tokens} x update-freq {self.update_freq}"
-                  + (f" (derived from --batch-tokens {cfg.batch_tokens})"
+                  + (f" (derived from --batch-tokens {cfg.batch_tokens} real tokens per side: "
+                     f"{fill_note(self.batching, self.env.world_size)})"
                      if cfg.batch_tokens else "")
                   + f"; precision {self.precision} on {self.device.type}"
                   + (f" (slow: {self.precision_note})" if self.precision_note else "")
@@ -600,27 +750,70 @@ class Trainer:
         elif self.initialised_from is not None:  # where fine-tuning starts from
             summary.valid = self._validate(run.elapsed())
 
-    def _run_update(self, update: Update, micro: list[Callable[[], Micro]], run: _Run) -> bool:
-        """One update and what follows it (log, validation, save); True: stop training."""
+    def _train(self, feed: Prefetcher, run: _Run) -> None:
+        """Updates until a limit, a stop flag or the end of the data.
+
+        In-line path (CPU): each update is launched, its statistics read, then applied or
+        skipped from the host. Deferred path (CUDA, `defer_statistics`): update k + 1 is
+        launched before update k's statistics are read, and each update's optimizer step
+        is queued right behind its backward with the skip decided on the device
+        (`launch_update`); the host reads update k's numbers only once update k + 1 is
+        queued, so the GPU never waits for it. Everything the host decides from them
+        (step count, schedule, weight average, log, validation, saves, stopping) happens
+        one update late but on the same state, so both paths train identically; an
+        update launched after the one that stopped training is dropped unapplied.
+        """
+        in_flight: _Launched | None = None  # deferred: stepped on the device, not yet read
+        while not run.summary.stopped_early:
+            launched, ended = None, False
+            if self.step + (in_flight is not None) < self.cfg.max_updates:
+                nxt = feed.next()
+                if nxt is None:
+                    ended = True
+                else:
+                    launched = self._launch(*nxt, run)
+            if in_flight is not None:
+                self._state_rng = launched.rng_before if launched is not None else None
+                stop = self._settle(in_flight, run)
+                in_flight = None
+                if stop:
+                    if launched is not None:
+                        self._discard(launched)
+                    return
+            if launched is None:
+                if ended and self.feed.epoch_end is not None:
+                    self.data_state = self.feed.epoch_end  # past the last epoch
+                if ended or self.step >= self.cfg.max_updates:
+                    return  # --max-epochs or --max-updates reached
+                continue  # the last update in flight was skipped: one more is needed
+            if self.deferred:
+                assert launched.found_inf is not None
+                launch_update(self.optimizer, self.scaler, self.precision, launched.found_inf)
+                in_flight = launched
+            elif self._settle(launched, run):
+                return
+
+    def _settle(self, launched: _Launched, run: _Run) -> bool:
+        """Read an update's statistics and act on them: apply or skip it (in-line path;
+        the deferred path only advances the schedule and weight average, the optimizer
+        having stepped on the device), count, log, validate, save. True: stop training."""
         cfg, summary = self.cfg, run.summary
-        want_save = (cfg.save_interval_minutes > 0
-                     and time.perf_counter() - run.last_save >= cfg.save_interval_minutes * 60)
-        want_stop = cfg.max_minutes > 0 and run.elapsed() >= cfg.max_minutes * 60
-        # Time-based flags come from rank 0 alone (ranks' clocks differ); a preemption
-        # signal may reach any rank: the all-reduce makes every rank act on it.
-        signalled = float(run.watch.requested is not None)
-        flags = ([float(want_save), float(want_stop), signalled] if self.env.is_main
-                 else [0., 0., signalled])
-        loss, nll, gnorm, (save_flag, stop_flag, preempt_flag), tokens, st_tokens = \
-            self._train_update(micro, update.all_batches, flags)
+        values = launched.stats.values()  # the update's one host sync
+        loss, nll, gnorm = values[0], values[1], values[-1]
+        save_flag, stop_flag, preempt_flag = (values[2:-1] if self.env.active
+                                              else launched.flags)
         if preempt_flag:
             run.preempted = True
             save_flag = stop_flag = 1.0
-        self.data_state = update.after
+        self.data_state = launched.update.after
         finite = math.isfinite(loss) and math.isfinite(gnorm)
         lr = self.schedule.lr
-        self._apply_update(finite)
-        self._count(run, finite, loss, nll, tokens, st_tokens)
+        if self.deferred:
+            advance(self.schedule, self.ema, finite)
+        else:
+            apply_update(self.optimizer, self.scaler, self.schedule, self.precision, finite,
+                         self.ema)
+        self._count(run, finite, loss, nll, launched.tgt_tokens, launched.src_tgt_tokens)
         if self.progress is not None:
             self.progress.advance(self.step, run.elapsed())
         if finite and self.step % cfg.log_interval == 0:

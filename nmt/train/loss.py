@@ -314,3 +314,14 @@ def projected_smoothed_loss(features: Tensor, weight: Tensor, target: Tensor,
                                                      float(epsilon), int(chunk_rows), dtype,
                                                      bool(compiled))
     return loss, nll.detach()
+
+
+def fused_loss_enabled(choice: str, device: torch.device) -> bool:
+    """Whether training uses `projected_smoothed_loss` (TrainConfig.fused_loss): "on",
+    "off", or "auto" = on for CUDA, where not materialising the (rows, vocab) logits saves
+    memory and bandwidth, off for a CPU, where recomputing the logits in the backward costs
+    1.3x at base shapes. bench/gpu_train_speed.py --loss both measures the two on a GPU
+    (not yet done: no GPU was lent to this project)."""
+    if choice == "auto":
+        return device.type == "cuda"
+    return choice == "on"

@@ -89,12 +89,33 @@ def build_schedule(optimizer: torch.optim.Optimizer, d_model: int, cfg: TrainCon
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig,
-                    device: torch.device) -> torch.optim.Adam:
-    """Adam(beta1, beta2, eps) as in the paper; fused kernel on CUDA, foreach on CPU."""
-    fused = device.type == "cuda"
+                    device: torch.device, fused: bool | None = None) -> torch.optim.Adam:
+    """Adam(beta1, beta2, eps) as in the paper; fused kernel on CUDA, foreach on CPU
+    unless `fused` says otherwise (the fused kernel can skip a step on the device: see
+    nmt/train/step.py `launch_update`)."""
+    if fused is None:
+        fused = device.type == "cuda"
     return torch.optim.Adam(list(params), lr=0.0, betas=(cfg.adam_beta1, cfg.adam_beta2),
                             eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
                             fused=fused or None, foreach=None if fused else True)
+
+
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable")  # how Adam runs, not what it is
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """`optimizer.load_state_dict(state)`, keeping this process's implementation.
+
+    torch takes the saved param groups whole, `fused`/`foreach` included, and places the
+    step counters by them: a run saved on a CPU (foreach Adam) and resumed on a GPU would
+    go on with foreach Adam and host-side step counters, which cannot skip a step on the
+    device (nmt/train/step.py `launch_update`), and a GPU run resumed on a CPU would switch
+    to the fused kernel. The hyperparameters and moments come from `state`; how the
+    kernel runs stays as `build_optimizer` chose it here."""
+    ours = optimizer.param_groups
+    groups = [{**saved, **{k: mine[k] for k in IMPLEMENTATION_KEYS if k in mine}}
+              for saved, mine in zip(state["param_groups"], ours, strict=False)]
+    optimizer.load_state_dict({**state, "param_groups": groups})
 
 
 def total_norm(grads: list[Tensor]) -> Tensor:

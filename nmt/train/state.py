@@ -33,6 +33,7 @@ import torch
 from nmt.checkpoint import BEST, LAST, model_payload, save_checkpoint, stored_step
 from nmt.errors import CheckpointError
 from nmt.fileio import atomic_output, atomic_write_bytes, remove_stale_temps
+from nmt.train.schedule import load_optimizer_state
 
 
 @dataclass
@@ -174,7 +175,7 @@ def restore_training(payload: dict[str, Any], *, model: torch.nn.Module,
         raise CheckpointError(f"checkpoint lacks {', '.join(missing)}: not a training "
                               "checkpoint; start a new run directory (-o)")
     model.load_state_dict(payload["model"])
-    optimizer.load_state_dict(payload["optimizer"])
+    load_optimizer_state(optimizer, payload["optimizer"])  # this process's Adam kernel
     scheduler.load_state_dict(payload["scheduler"])
     if payload["scaler"]:
         scaler.load_state_dict(payload["scaler"])

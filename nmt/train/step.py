@@ -2,11 +2,14 @@
 
 `train_step` runs the forward and backward passes of an update's micro-batches and
 measures the gradient, with no host synchronisation: its `StepStats` are device tensors.
-Whether the update is applied is the caller's decision, taken on those numbers (the
-Trainer reads them once per update, all-reduced with its save/stop flags, and skips a
-non-finite update); `apply_update` then steps the optimizer (through the GradScaler in
-fp16), the schedule and the weight average. The Trainer keeps everything around it: data
-feed, ranks, logging, validation and checkpoints (nmt/train/loop.py).
+Whether the update is applied is decided on those numbers, in one of two ways. On the
+host: the caller reads them (the Trainer once per update, all-reduced with its save/stop
+flags) and `apply_update` steps the optimizer (through the GradScaler in fp16), the
+schedule and the weight average, or skips a non-finite update. On the device (the CUDA
+path): `launch_update` steps a fused Adam that skips itself where `nonfinite` says so,
+before the host has read anything, and `advance` moves the schedule and weight average
+once the host has read the statistics, one update later. The Trainer keeps everything
+around it: data feed, ranks, logging, validation and checkpoints (nmt/train/loop.py).
 
 The loss of an update is the sum of token losses over all its micro-batches (and ranks)
 divided by the target tokens in all of them, counted on the host by the caller; DDP
@@ -16,6 +19,7 @@ averages gradients over ranks, so each rank scales by world_size / tokens.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -109,16 +113,71 @@ def train_step(net: nn.Module, model: Transformer,
 def apply_update(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                  schedule: Schedule | None, precision: str, finite: bool,
                  ema: WeightAverage | None = None) -> None:
-    """Apply (or, not `finite`, skip) the update `train_step` prepared: the optimizer
-    step (fp16: through the GradScaler, which skips overflowed steps and adjusts its
-    scale), gradients cleared, then on success the schedule and the weight average
-    advance."""
+    """Apply (or, not `finite`, skip) the update `train_step` prepared, decided on the
+    host: the optimizer step (fp16: through the GradScaler, which skips overflowed steps
+    and adjusts its scale), gradients cleared, then on success the schedule and the weight
+    average advance."""
     if precision == "fp16":
         scaler.step(optimizer)
         scaler.update()
     elif finite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    advance(schedule, ema, finite)
+
+
+def nonfinite(loss_sum: Tensor, grad_norm: Tensor) -> Tensor:
+    """1.0 where the update's loss or gradient norm is not finite, else 0.0: a 0-dim
+    float32 device tensor (the `found_inf` of GradScaler's contract), no host sync."""
+    ok = torch.isfinite(loss_sum) & torch.isfinite(grad_norm)
+    return (~ok).to(torch.float32)
+
+
+def defer_statistics(device: torch.device) -> bool:
+    """Whether the Trainer reads each update's statistics one update late, with the
+    optimizer's skip decided on the device (nmt/train/loop.py `Trainer._train`): on CUDA,
+    where waiting for the numbers would idle the GPU between updates. On a CPU the work is
+    synchronous anyway and the in-line path keeps its foreach Adam. NMT_DEFER_STATS=1 or 0
+    forces the choice (the tests run the CUDA path on CPU processes this way)."""
+    forced = os.environ.get("NMT_DEFER_STATS", "")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return device.type == "cuda"
+
+
+def launch_update(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                  precision: str, found_inf: Tensor) -> None:
+    """Step the optimizer with the skip decided on the device, so the host need not wait
+    for the update's statistics first (the deferred path of nmt/train/loop.py).
+
+    `optimizer` must be a fused Adam (`supports_device_skip`): its kernel does nothing
+    and rolls back its step counters where `found_inf` is 1, the contract GradScaler
+    uses. fp16 goes through the GradScaler, which passes its own overflow flag the same
+    way and updates the scale on the device. The schedule and weight average advance
+    later, from the host's reading of the statistics (`advance`)."""
+    if precision == "fp16":
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.grad_scale = None  # type: ignore[attr-defined]  # already unscaled
+        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
+    optimizer.zero_grad(set_to_none=True)
+
+
+def supports_device_skip(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `launch_update` can skip a step of `optimizer` on the device (fused Adam:
+    foreach and per-tensor Adam refuse a `found_inf`)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
+        group.get("fused") for group in optimizer.param_groups)
+
+
+def advance(schedule: Schedule | None, ema: WeightAverage | None, finite: bool) -> None:
+    """After an applied (`finite`) update: the learning-rate schedule and the weight
+    average take their step; a skipped update moves neither."""
     if finite:
         if schedule is not None:
             schedule.step()
