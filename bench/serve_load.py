@@ -119,7 +119,8 @@ def main() -> None:
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--requests", type=int, default=0,
-                        help="Requests per cell (default: 200 of 1 line, 40 of 20 lines).")
+                        help="Requests per cell (default: 200 of 1 line, 40 of 20 lines, "
+                        "at least 5 per client).")
     parser.add_argument("--smoke", action="store_true")
     opts = parser.parse_args()
     lines = [line for line in TEST_EN.read_text(encoding="utf-8").split("\n") if line]
@@ -140,7 +141,9 @@ def main() -> None:
         post(url, lines[:20])  # warm-up
         for size in (1, 20):
             for concurrency in (1, 8, 32):
-                requests = opts.requests or (200 if size == 1 else 40)
+                # At least 5 rounds of the clients: one round at concurrency 32 is a
+                # batch or two, too few to measure.
+                requests = opts.requests or max(200 if size == 1 else 40, 5 * concurrency)
                 if opts.smoke:
                     requests = concurrency
                 cell = load_cell(url, lines, size, concurrency, requests)

@@ -12,8 +12,11 @@ import typer
 from cli.common import console, handle_errors
 from nmt.config import RuntimeConfig
 from nmt.errors import DataError, UsageError
+from nmt.serve.models import Limits  # stdlib and nmt.api only: no serve extra needed
 
 _R = RuntimeConfig()
+_L = Limits()
+SWITCH_INTERVAL_S = 0.0005  # GIL hand-over interval of the serving process (see below)
 
 
 def command(
@@ -29,11 +32,15 @@ def command(
                                   help="auto | fp32 | bf16 | fp16 | int8, as translate."),
     threads: int = typer.Option(None, "--threads", show_default="torch's",
                                 help="Torch intra-op threads."),
-    max_batch_tokens: int = typer.Option(4096, "--max-batch-tokens", show_default=True,
+    max_batch_tokens: int = typer.Option(_L.max_batch_tokens, "--max-batch-tokens",
+                                         show_default=True,
                                          help="Source pieces one batch across requests "
-                                         "may hold."),
-    max_wait_ms: float = typer.Option(5.0, "--max-wait-ms", show_default=True,
-                                      help="How long a batch waits for more requests."),
+                                         "may hold (translate's --max-tokens)."),
+    max_wait_ms: float = typer.Option(_L.max_wait_ms, "--max-wait-ms", show_default=True,
+                                      help="The longest a batch waits for more requests."),
+    idle_ms: float = typer.Option(_L.idle_ms, "--idle-ms", show_default=True,
+                                  help="A batch starts once no request has come for this "
+                                  "long (and the previous batch's answers are out)."),
     max_queue_lines: int = typer.Option(4096, "--max-queue-lines", show_default=True,
                                         help="Lines queued per model before new requests "
                                         "get 503 with Retry-After."),
@@ -66,11 +73,12 @@ def command(
                             ("--max-chars", max_chars)):
             if value < 0 or (value == 0 and name != "--port"):
                 raise UsageError(f"{name} must be positive, got {value}")
-        if max_wait_ms < 0:
-            raise UsageError(f"--max-wait-ms must be >= 0, got {max_wait_ms}")
+        for name, wait in (("--max-wait-ms", max_wait_ms), ("--idle-ms", idle_ms)):
+            if wait < 0:
+                raise UsageError(f"{name} must be >= 0, got {wait}")
         keys = _read_keys(api_keys) if api_keys is not None else []
         limits = Limits(max_body_bytes, max_lines, max_chars, max_batch_tokens, max_wait_ms,
-                        max_queue_lines)
+                        idle_ms, max_queue_lines)
         served = load_models(models, limits, device, precision, threads)
         app = build_app(served, limits, keys, cors_origin)
         url = f"http://{host}:{port}"
@@ -86,6 +94,10 @@ def command(
         # uvicorn stops accepting on SIGTERM, finishes the requests in flight, then raises
         # the signal again for the handler found here: make that handler exit 0.
         signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(0))
+        # The event loop and the decoding thread share the GIL; torch releases it around
+        # every op and must win it back: at the default 5 ms switch interval the decoder
+        # can wait that long per op while the loop parses requests.
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False,
                     timeout_graceful_shutdown=60)
 

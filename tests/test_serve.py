@@ -271,7 +271,8 @@ def test_two_models_auto_source_and_api_keys(models: tuple[Path, Path],
 
 def test_full_queue_is_503_with_retry_after(models: tuple[Path, Path]) -> None:
     """A batch waiting 300 ms for company holds the queue's 2 lines: others are refused."""
-    srv = Server("-m", models[0], "--max-queue-lines", "2", "--max-wait-ms", "300")
+    srv = Server("-m", models[0], "--max-queue-lines", "2", "--max-wait-ms", "300",
+                 "--idle-ms", "300")
     try:
         ask = {"q": ["A dog.", "A cat."], "source": "en", "target": "de"}
         with ThreadPoolExecutor(4) as pool:
@@ -288,7 +289,7 @@ def test_full_queue_is_503_with_retry_after(models: tuple[Path, Path]) -> None:
 
 def test_sigterm_finishes_requests_in_flight(models: tuple[Path, Path],
                                              lines: list[str]) -> None:
-    srv = Server("-m", models[0], "--max-wait-ms", "400")
+    srv = Server("-m", models[0], "--max-wait-ms", "400", "--idle-ms", "400")
     asks = [{"q": lines[i:i + 3], "source": "en", "target": "de"} for i in range(0, 24, 3)]
     expected = [srv.post("/translate", ask)[1] for ask in asks]
     results: list[Any] = []

@@ -1,13 +1,21 @@
 """Batching across requests: lines from concurrent requests share the model's batches.
 
-One worker thread per served model takes every job queued, waits at most `max_wait_ms`
-for more company while the batch is below `max_batch_tokens`, and translates each group of
+One worker thread per served model takes every job queued and translates each group of
 jobs with the same decoding options in one call of the Python API (which sorts the lines
 by length and batches them by tokens, as `nmt translate` does). Each job's lines come back
 to it in order. A sentence's translation does not depend on the other lines of its batch
 (tested: tests/test_decoding.py, tests/test_serve.py), so a request gets what it would
 alone, only sooner under load. The queue is bounded in lines: a full one refuses new jobs
 (QueueFull; the server answers 503 with Retry-After) instead of growing without limit.
+
+When a batch starts: as soon as no request has come for `idle_ms` (a lone request waits
+only that long), but not while the previous batch's results are still being handed to
+their requests (`delivered`), and never later than `max_wait_ms` after the batch's first
+job was taken. The delivery wait is what keeps batches whole under load: while the HTTP
+side writes one batch's answers it reads no new requests, so a batch started then would
+hold only the requests queued during the last one, and the rest would form a second,
+small batch behind it; the two would alternate at half size for as long as the load
+lasts (measured with bench/serve_load.py: batches of 16 instead of 32 at concurrency 32).
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ class Job:
     options: dict[str, Any]
     tokens: int
     future: Future = field(default_factory=Future)
+    handed: bool = False  # its results are set and not yet `delivered`
 
     @property
     def key(self) -> Hashable:
@@ -55,29 +64,43 @@ class Batcher:
     """A worker thread that runs `runner` over batches of queued jobs."""
 
     def __init__(self, runner: Runner, max_batch_tokens: int, max_wait_ms: float,
-                 max_queue_lines: int, name: str = "model") -> None:
+                 max_queue_lines: int, name: str = "model", idle_ms: float = 3.0) -> None:
         self.runner = runner
         self.max_batch_tokens = max_batch_tokens
         self.max_wait = max_wait_ms / 1000.0
+        self.idle = min(idle_ms, max_wait_ms) / 1000.0
         self.max_queue_lines = max_queue_lines
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._handed_over = threading.Condition(self._lock)  # `_handing` fell to 0
         self._queued_lines = 0
+        self._handing = 0  # jobs whose results are set and not yet delivered
         self._held: Job | None = None  # taken from the queue but over this batch's budget
         self._thread = threading.Thread(target=self._work, name=f"nmt-serve-{name}",
                                         daemon=True)
         self._thread.start()
 
-    def submit(self, lines: list[str], options: dict[str, Any], tokens: int) -> Future:
-        """Queue `lines` (a request's, in order) with their decoding `options`; the future
-        gets the list of results. QueueFull when the queue is at its limit."""
+    def submit(self, lines: list[str], options: dict[str, Any], tokens: int) -> Job:
+        """Queue `lines` (a request's, in order) with their decoding `options`; the job's
+        future gets the list of results, and the caller then says `delivered(job)`, also
+        when it gave up waiting. QueueFull when the queue is at its limit."""
         job = Job(lines, options, max(tokens, 1))
         with self._lock:
             if self._queued_lines and self._queued_lines + len(lines) > self.max_queue_lines:
                 raise QueueFull(f"{self._queued_lines} lines queued")
             self._queued_lines += len(lines)
         self._queue.put(job)
-        return job.future
+        return job
+
+    def delivered(self, job: Job) -> None:
+        """The request of `job` has its results (or is gone): the next batch need not
+        wait for it any more."""
+        with self._lock:
+            if job.handed:
+                job.handed = False
+                self._handing -= 1
+                if not self._handing:
+                    self._handed_over.notify_all()
 
     @property
     def queued_lines(self) -> int:
@@ -102,16 +125,20 @@ class Batcher:
                 self._run(group)
 
     def _collect(self) -> list[Job] | None:
-        """The next batch: a held-over job or the next queued one, then whatever arrives
-        within `max_wait` while the tokens stay within budget. None: stop."""
+        """The next batch (see the module doc): a held-over job or the next queued one,
+        then, once the previous batch's results are delivered, whatever arrives with gaps
+        under `idle`, within `max_wait` and the token budget. None: stop."""
         first = self._held or self._queue.get()
         self._held = None
         if first is None:
             return None
         jobs, tokens = [first], first.tokens
         deadline = time.monotonic() + self.max_wait
+        with self._lock:
+            self._handed_over.wait_for(lambda: not self._handing,
+                                       timeout=max(deadline - time.monotonic(), 0.0))
         while tokens < self.max_batch_tokens:
-            remaining = deadline - time.monotonic()
+            remaining = min(deadline - time.monotonic(), self.idle)
             try:
                 job = self._queue.get(timeout=remaining) if remaining > 0 \
                     else self._queue.get_nowait()
@@ -146,8 +173,10 @@ class Batcher:
               error: BaseException | None = None) -> None:
         with self._lock:
             self._queued_lines -= len(job.lines)
-        if not job.future.set_running_or_notify_cancel():
-            return  # the client went away
+            if not job.future.set_running_or_notify_cancel():
+                return  # the client went away
+            job.handed = True
+            self._handing += 1
         if error is not None:
             job.future.set_exception(error)
         else:

@@ -30,8 +30,9 @@ class Limits:
     max_body_bytes: int = 1 << 20
     max_lines: int = 256  # lines (q items, inputs) per request
     max_chars: int = 5000  # characters per line
-    max_batch_tokens: int = 4096  # source pieces a batch across requests may hold
-    max_wait_ms: float = 5.0  # how long a batch waits for company
+    max_batch_tokens: int = 8192  # source pieces a batch may hold: translate's max_tokens
+    max_wait_ms: float = 30.0  # the longest a batch waits for company
+    idle_ms: float = 3.0  # a batch starts once no request has come for this long
     max_queue_lines: int = 4096  # lines queued before new requests get 503
 
 
@@ -83,7 +84,7 @@ def load_models(specs: Sequence[str], limits: Limits, device: str, precision: st
         if any(m.name == name for m in served):
             raise UsageError(f"two models named {name!r}; name them: -m NAME=MODEL")
         batcher = Batcher(_runner(translator), limits.max_batch_tokens, limits.max_wait_ms,
-                          limits.max_queue_lines, name)
+                          limits.max_queue_lines, name, idle_ms=limits.idle_ms)
         served.append(ServedModel(name, source, target, translator, batcher))
     return served
 
