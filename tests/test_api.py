@@ -204,6 +204,26 @@ def test_one_translator_shared_by_threads(translator, lines: list[str]) -> None:
     assert not errors and [got[i] for i in range(len(chunks))] == alone
 
 
+@pytest.mark.parametrize("nbest", [1, 3])
+def test_every_cache_reorder_of_a_translation_carries_its_layout(
+        translator, lines: list[str], monkeypatch: pytest.MonkeyPatch, nbest: int) -> None:
+    """Beam search and sampling tell the cache the layout of each reorder (`regroup`), so
+    GroupedCache never reads the order back to find it (two host syncs on a GPU)."""
+    from nmt.inference.kv_cache import GroupedCache
+
+    real = GroupedCache.reorder
+    layouts: list[object] = []
+
+    def reorder(self, new_order, layout=None):
+        layouts.append(layout)
+        return real(self, new_order, layout)
+
+    monkeypatch.setattr(GroupedCache, "reorder", reorder)
+    translator.translate(lines[:6], sampling=True, seed=3, nbest=nbest, **SHORT)
+    translator.translate(lines[:6], nbest=nbest, **SHORT)
+    assert layouts and all(layout is not None for layout in layouts), layouts
+
+
 def test_sampling_seed_makes_a_call_reproducible(translator, lines: list[str]) -> None:
     first = translator.translate(lines[:5], sampling=True, seed=3, **SHORT)
     assert translator.translate(lines[:5], sampling=True, seed=3, **SHORT) == first

@@ -39,6 +39,7 @@ from nmt.inference.search import (
     beam_search,
     max_output_lengths,
     prefix_tensor,
+    regroup,
     sample_decode,
 )
 from nmt.precision import resolve_precision
@@ -174,7 +175,8 @@ class Translator:
                 return beam_search(decoder, max_lens, beam=cfg.beam, alpha=cfg.alpha,
                                    nbest=cfg.nbest, min_len=cfg.min_len, prefix=prefix)
             rows = torch.arange(len(sources), device=self.device).repeat_interleave(cfg.nbest)
-            decoder.reorder(rows)  # (batch * nbest,): independent samples
+            # (batch * nbest,): independent samples, each sentence's nbest rows one group
+            regroup(decoder, rows, cfg.nbest, None)  # the layout told: the cache reads none
             flat = sample_decode(decoder, max_lens[rows], temperature=cfg.temperature,
                                  top_k=cfg.top_k, top_p=cfg.top_p, alpha=cfg.alpha,
                                  min_len=cfg.min_len, generator=self.generator,
