@@ -23,7 +23,7 @@ from nmt.inference.decoding import (
     greedy_search,
     init_state,
 )
-from nmt.inference.kv_cache import INITIAL_CAPACITY
+from nmt.inference.kv_cache import INITIAL_CAPACITY, Regroup
 from nmt.inference.search import beam_search, max_output_lengths
 from nmt.model.transformer import Transformer
 from nmt.special_ids import BOS_ID, EOS_ID, PAD_ID
@@ -289,9 +289,9 @@ def test_beam_cache_is_grouped_per_sentence_and_reorders_without_copies() -> Non
         sizes.append(tokens.numel())
         return step(tokens)
 
-    def tracking_reorder(new_order: torch.Tensor) -> None:
+    def tracking_reorder(new_order: torch.Tensor, layout: Regroup | None = None) -> None:
         before, ptr = dec.state.rows, dec.state.self_k[0].data_ptr()
-        reorder(new_order)
+        reorder(new_order, layout)
         buffers.append((before, dec.state.rows, int(dec.state.self_k[0].data_ptr() == ptr)))
 
     dec.step, dec.reorder = counting_step, tracking_reorder  # type: ignore[method-assign]

@@ -60,21 +60,27 @@ def batch_by_tokens(src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int,
     limit = max_len if oversize_alone else min(max_len, max_tokens)
     keep = order[costs[order] <= limit]
     skipped = int(src.shape[0] - keep.shape[0])
-    sorted_costs = costs[keep]  # non-decreasing
-    # A batch [start, j] fits iff (j - start + 1) * cost[j] <= max_tokens, i.e.
-    # g[j] = j + 1 - max_tokens // cost[j] <= start; g is non-decreasing in j, so the last
-    # j that fits is one binary search away.
-    g = np.arange(1, keep.shape[0] + 1, dtype=np.int64) - max_tokens // np.maximum(
-        sorted_costs, 1)
-    batches: list[np.ndarray] = []
-    start = 0
-    n = keep.shape[0]
+    ends = batch_ends(costs[keep], max_tokens)
+    return Batches(np.split(keep, ends[:-1]) if ends else [], skipped)
+
+
+def batch_ends(sorted_costs: np.ndarray, max_tokens: int) -> list[int]:
+    """Where `batch_by_tokens` closes its batches over pair costs in non-decreasing order:
+    one past each batch's last pair. The greedy rule, shared with the fill measurement of
+    `nmt train --batch-tokens` (nmt/train/loop.py `FillMeter`).
+
+    A batch [start, j] fits iff (j - start + 1) * cost[j] <= max_tokens, i.e.
+    g[j] = j + 1 - max_tokens // cost[j] <= start; g is non-decreasing in j, so the last j
+    that fits is one binary search away. A pair over max_tokens goes alone.
+    """
+    g = np.arange(1, sorted_costs.shape[0] + 1, dtype=np.int64) - max_tokens // np.maximum(
+        sorted_costs, 1)  # (n,)
+    ends: list[int] = []
+    start, n = 0, sorted_costs.shape[0]
     while start < n:
-        end = int(np.searchsorted(g, start, side="right"))  # one past the last that fits
-        end = max(end, start + 1)  # an oversize pair (oversize_alone) goes alone
-        batches.append(keep[start:end])
-        start = end
-    return Batches(batches, skipped)
+        start = max(int(np.searchsorted(g, start, side="right")), start + 1)
+        ends.append(start)
+    return ends
 
 
 def batch_by_tokens_slow(src_lens: Sequence[int], tgt_lens: Sequence[int], max_tokens: int,

@@ -184,7 +184,6 @@ class ModelStepDecoder:
         self.projection = None if workspace is None else workspace.projection
         self._workspace = workspace if src.device.type == "cpu" else None
         self._logits = self._workspace.take() if self._workspace is not None else None
-        self._layout: Regroup | None = None  # what `regroup` tells the next `reorder`
 
     def __enter__(self) -> ModelStepDecoder:
         return self
@@ -220,19 +219,16 @@ class ModelStepDecoder:
         model's positions)."""
         self.state.reserve(positions)
 
-    def reorder(self, new_order: Tensor) -> None:
-        """Select/duplicate rows of the key/value cache and the encoder mask (with the
-        layout `regroup` announced, when it did)."""
-        layout, self._layout = self._layout, None
+    def reorder(self, new_order: Tensor, layout: Regroup | None = None) -> None:
+        """Select/duplicate rows of the key/value cache and the encoder mask; `layout`,
+        when known, spares the cache reading the order back (see kv_cache.Regroup)."""
         self.state = self.state.reorder(new_order, layout)
 
     def regroup(self, new_order: Tensor, group_size: int, source: Tensor | None) -> None:
         """`reorder` with its layout (the search's `regroup`, nmt/inference/search.py):
         the cache takes it from `Regroup(group_size, source)` instead of reading the order
-        back to the host (two syncs per reorder on a GPU). Goes through `reorder`, the one
-        place the state is replaced, so whatever wraps `reorder` sees every reorder."""
-        self._layout = Regroup(group_size, source)
-        self.reorder(new_order)
+        back to the host (two syncs per reorder on a GPU)."""
+        self.reorder(new_order, Regroup(group_size, source))
 
     def _out(self, rows: int) -> Tensor | None:
         """The reused logits buffer, grown to at least `rows` rows (model dtype); None when

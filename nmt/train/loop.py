@@ -53,7 +53,7 @@ from nmt.checkpoint import (
     save_checkpoint,
 )
 from nmt.config import ModelConfig, TrainConfig
-from nmt.data.batching import pair_costs
+from nmt.data.batching import batch_ends, pair_costs
 from nmt.data.dataset import ParallelData, corpus_ranges, language_pair, load_vocab
 from nmt.device import allow_tf32, resolve_device, set_cuda_allocator_default
 from nmt.errors import (
@@ -145,8 +145,8 @@ class FillMeter:
     M = 3,125, 0.84-0.86 at 12,500; a synthetic WMT-sized corpus: 0.95). Those batches
     depend only on the sorted pair costs (max(src, tgt) + 1), so the costs are sorted
     once here and each size costs one vectorised pass plus a binary search per batch
-    (0.4-0.6 s in all for 4.5M pairs on a 2-core Xeon): the greedy rule of `batch_by_tokens`, which
-    `tests/test_train_loop.py` holds this count to.
+    (0.4-0.6 s in all for 4.5M pairs on a 2-core Xeon), with `batch_by_tokens`' own greedy
+    rule (`batch_ends`); `tests/test_train_loop.py` holds the count to it.
     """
 
     def __init__(self, src_lens: np.ndarray, tgt_lens: np.ndarray, max_len: int) -> None:
@@ -162,14 +162,7 @@ class FillMeter:
         `batch_by_tokens(src, tgt, micro_tokens, max_len)`."""
         limit = min(self.max_len, micro_tokens)  # longer pairs are skipped
         kept = self.costs[:int(np.searchsorted(self.costs, limit, side="right"))]
-        # As in batch_by_tokens: the batch from `start` ends after the last j with
-        # g[j] = j + 1 - micro // cost[j] <= start (g is non-decreasing).
-        g = np.arange(1, kept.shape[0] + 1, dtype=np.int64) - micro_tokens // np.maximum(
-            kept, 1)
-        count, start = 0, 0
-        while start < kept.shape[0]:
-            start = max(int(np.searchsorted(g, start, side="right")), start + 1)
-            count += 1
+        count = len(batch_ends(kept, micro_tokens))  # batch_by_tokens' own rule
         return count, int(self.both_sides[self.pair_cost <= limit].sum())
 
     def fill(self, micro_tokens: int) -> float:
@@ -651,11 +644,11 @@ class Trainer:
         return _Launched(update, self.readback.start(values), flags, tgt_tokens,
                          src_tgt_tokens, found_inf, rng_before)
 
-    def _discard(self, launched: _Launched) -> None:
-        """Drop an update whose statistics will never be read (training stopped after
-        the previous one): its gradients go, the weights never saw it."""
+    def _drop_in_flight(self) -> None:
+        """Drop the update launched after the one that stopped training: its gradients go
+        (memory for the final save); its statistics are never read, its data position
+        never recorded, and the weights never saw it."""
         self.optimizer.zero_grad(set_to_none=True)
-        del launched
 
     # ----- checkpoints -----
 
@@ -778,7 +771,7 @@ class Trainer:
                 in_flight = None
                 if stop:
                     if launched is not None:
-                        self._discard(launched)
+                        self._drop_in_flight()
                     return
             if launched is None:
                 if ended and self.feed.epoch_end is not None:

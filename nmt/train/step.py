@@ -118,12 +118,18 @@ def apply_update(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
     and adjusts its scale), gradients cleared, then on success the schedule and the weight
     average advance."""
     if precision == "fp16":
-        scaler.step(optimizer)
-        scaler.update()
+        _scaled_step(optimizer, scaler)
     elif finite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     advance(schedule, ema, finite)
+
+
+def _scaled_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
+    """fp16: the GradScaler steps the optimizer unless the gradients overflowed, and
+    adjusts its scale (decided on the device for a fused Adam, on the host otherwise)."""
+    scaler.step(optimizer)
+    scaler.update()
 
 
 def nonfinite(loss_sum: Tensor, grad_norm: Tensor) -> Tensor:
@@ -156,8 +162,7 @@ def launch_update(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler
     way and updates the scale on the device. The schedule and weight average advance
     later, from the host's reading of the statistics (`advance`)."""
     if precision == "fp16":
-        scaler.step(optimizer)
-        scaler.update()
+        _scaled_step(optimizer, scaler)
     else:
         optimizer.grad_scale = None  # type: ignore[attr-defined]  # already unscaled
         optimizer.found_inf = found_inf  # type: ignore[attr-defined]
