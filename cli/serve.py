@@ -35,7 +35,8 @@ def command(
     max_batch_tokens: int = typer.Option(_L.max_batch_tokens, "--max-batch-tokens",
                                          show_default=True,
                                          help="Source pieces one batch across requests "
-                                         "may hold (translate's --max-tokens)."),
+                                         "may hold; sorted by length and cut into "
+                                         "translate's --max-tokens batches."),
     max_wait_ms: float = typer.Option(_L.max_wait_ms, "--max-wait-ms", show_default=True,
                                       help="The longest a batch waits for more requests."),
     idle_ms: float = typer.Option(_L.idle_ms, "--idle-ms", show_default=True,

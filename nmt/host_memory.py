@@ -16,7 +16,7 @@ training the larger share was oneDNN's primitive cache: bf16 matmuls on CPU go t
 oneDNN, which compiles one primitive per distinct shape and keeps up to 1024 of them, and
 token-count batching produces a new (rows, d) shape almost every update. Measured on
 `small`, Multi30k, 2 threads, bf16, 600 updates: peak RSS 4.31 GB with the default cache,
-2.38 GB with `limit_onednn_cache()` (64 primitives), at equal speed (3.96 vs 4.05
+2.38 GB with `size_onednn_cache(TRAIN_ONEDNN_CACHE)` (64 primitives), at equal speed (3.96 vs 4.05
 updates/s); without keep_freed_memory 3.07 GB at 3.18 updates/s. Periodic malloc_trim
 did not lower the peak (4.30 GB) and cost 8% of the speed, so it is not used.
 """
@@ -51,13 +51,27 @@ def keep_freed_memory() -> bool:
     return ok
 
 
-# oneDNN primitives kept per process while training (oneDNN's default: 1024).
-ONEDNN_CACHE_CAPACITY = 64
+# oneDNN primitives kept per process (oneDNN's own default: 1024). Training: each update
+# is a new (rows, d) shape, used once: a small cache bounds the memory (module doc).
+TRAIN_ONEDNN_CACHE = 64
+# Inference: beam search meets a new row count at almost every step (rows shrink as
+# sentences finish) and brings it back in the next batch of that size, so a long-lived
+# process (`nmt serve`, a program holding a Translator, `nmt translate` on a large file)
+# needs several thousand primitives in its working set. With oneDNN's 1024 they are evicted
+# and rebuilt (about 1-2 ms each, a JIT-compiled kernel) over and over: measured on this
+# project's CPU (Intel Xeon, AVX-512/AMX, bf16, 1 thread, the demo model), after a few
+# minutes of mixed batches 32-sentence batches ran at 92-109 sentences/s instead of 127,
+# a 1-line translation took 64-71 ms instead of 53, and 520-line batches 156-171 instead of
+# 175; with 4096, 129-146, 51-56 ms and 192-216, for about 0.6 GB more peak memory (3.75
+# vs 3.18 GB after the same load). 8192 gave the same speed.
+INFERENCE_ONEDNN_CACHE = 4096
 
 
-def limit_onednn_cache(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
-    """Cap oneDNN's primitive cache at `capacity` entries unless the user set
+def size_onednn_cache(capacity: int) -> None:
+    """Make oneDNN keep `capacity` primitives unless the user set
     ONEDNN_PRIMITIVE_CACHE_CAPACITY. oneDNN reads the variable when it creates its first
     primitive, so this must run before the process's first oneDNN operation (the trainer
-    calls it before building the model); later calls change nothing."""
+    calls it before building the model, the translator before loading one); later calls
+    change nothing, and the first caller's size holds (a translator inside a training
+    process keeps the trainer's)."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))

@@ -1,14 +1,25 @@
-"""keep_freed_memory and limit_onednn_cache: the CPU memory policy of nmt/host_memory.py."""
+"""keep_freed_memory and size_onednn_cache: the CPU memory policy of nmt/host_memory.py, and
+the oneDNN kernel cache a translator sizes before its first primitive."""
 
 from __future__ import annotations
 
 import os
 import platform
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from nmt.host_memory import ONEDNN_CACHE_CAPACITY, keep_freed_memory, limit_onednn_cache
+from nmt.host_memory import (
+    INFERENCE_ONEDNN_CACHE,
+    TRAIN_ONEDNN_CACHE,
+    keep_freed_memory,
+    size_onednn_cache,
+)
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_keep_freed_memory_applies_on_glibc_and_is_idempotent():
@@ -21,11 +32,66 @@ def test_keep_freed_memory_applies_on_glibc_and_is_idempotent():
         del big
 
 
-def test_limit_onednn_cache_sets_the_default_and_respects_the_user(
+def test_size_onednn_cache_sets_the_default_and_respects_the_user(
         monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
-    limit_onednn_cache()
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_CACHE_CAPACITY)
+    size_onednn_cache(TRAIN_ONEDNN_CACHE)
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(TRAIN_ONEDNN_CACHE)
+    size_onednn_cache(INFERENCE_ONEDNN_CACHE)  # the first size holds
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(TRAIN_ONEDNN_CACHE)
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "512")  # the user's choice wins
-    limit_onednn_cache()
+    size_onednn_cache(INFERENCE_ONEDNN_CACHE)
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "512"
+
+
+# In a fresh process: load a translator, then run one packed linear layer over 1,100 row
+# counts twice and count the oneDNN inner-product primitives built (ONEDNN_VERBOSE).
+_KERNEL_CACHE_PROBE = """
+import os, sys, torch
+torch.set_num_threads(1)
+from nmt import Translator
+Translator.load(sys.argv[1], precision="fp32", quiet=True)
+print("capacity", os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY"), file=sys.stderr)
+from nmt.inference.packed_linear import PackedLinear, available
+if not available(torch.float32):
+    print("no packed linears", file=sys.stderr)
+    sys.exit(0)
+layer = PackedLinear(torch.randn(32, 16), torch.randn(32))
+x = torch.randn(1100, 16)
+with torch.inference_mode():
+    for _ in range(2):
+        for rows in range(1, 1101):
+            layer(x[:rows])
+"""
+
+
+def _primitives_built(ckpt: Path, capacity: str | None) -> tuple[str, int]:
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+    env["ONEDNN_VERBOSE"] = "profile_create"
+    if capacity is not None:
+        env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = capacity
+    done = subprocess.run([sys.executable, "-c", _KERNEL_CACHE_PROBE, str(ckpt)], env=env,
+                          cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
+    if "no packed linears" in done.stderr:
+        pytest.skip("oneDNN packed linears are not available in this torch build")
+    built = sum(1 for line in done.stdout.splitlines()
+                if "create:cache_miss" in line and ",inner_product," in line)
+    return done.stderr.split("capacity ")[1].split()[0], built
+
+
+def test_a_translator_keeps_thousands_of_kernels(tmp_path: Path):
+    """Translator.load sizes oneDNN's cache before its first primitive, so a long-lived
+    process stops rebuilding kernels: 1,100 row counts seen twice are built once (with
+    oneDNN's default of 1024 the second pass rebuilds every one: the LRU cycles), and a
+    capacity the user set is kept."""
+    from conftest import shared_data_path
+    from helpers.checkpoints import make_checkpoint, make_vocab
+
+    ckpt = make_checkpoint(make_vocab(shared_data_path("multi30k"), tmp_path),
+                           tmp_path / "model.pt")
+    capacity, built = _primitives_built(ckpt, None)
+    assert capacity == str(INFERENCE_ONEDNN_CACHE)
+    assert 1100 <= built < 1300
+    capacity, built = _primitives_built(ckpt, "1024")
+    assert capacity == "1024"
+    assert built >= 2200

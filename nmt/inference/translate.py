@@ -28,7 +28,7 @@ from nmt.data.batching import batch_by_tokens
 from nmt.data.vocab import Vocab
 from nmt.device import resolve_device
 from nmt.errors import CheckpointError, DataError, UsageError
-from nmt.host_memory import keep_freed_memory
+from nmt.host_memory import INFERENCE_ONEDNN_CACHE, keep_freed_memory, size_onednn_cache
 from nmt.inference.decoding import DecodingWorkspace
 from nmt.inference.int8_linear import output_projection as int8_output_projection
 from nmt.inference.int8_linear import quantize_for_inference
@@ -126,6 +126,7 @@ class Translator:
         RuntimeConfig(device=device, precision=precision, weights=weights, seed=seed)
         dev = resolve_device(device)
         if dev.type == "cpu":
+            size_onednn_cache(INFERENCE_ONEDNN_CACHE)  # before the first oneDNN primitive
             keep_freed_memory()  # per-step activations reuse pages instead of re-faulting
         precision = resolve_precision(precision, dev)  # auto -> bf16 / fp16 / fp32
         models, projections, vocab = [], [], None

@@ -64,7 +64,7 @@ from nmt.errors import (
     TrainingAborted,
     UsageError,
 )
-from nmt.host_memory import keep_freed_memory, limit_onednn_cache
+from nmt.host_memory import TRAIN_ONEDNN_CACHE, keep_freed_memory, size_onednn_cache
 from nmt.model.transformer import Transformer
 from nmt.precision import emulation_note, grad_scaler, resolve_precision
 from nmt.train.best import BestTracker
@@ -407,7 +407,7 @@ class Trainer:
         env = init_distributed("cuda" if cuda else "cpu")
         dev = resolve_device(device, env.local_rank)
         if dev.type == "cpu":
-            limit_onednn_cache()  # one primitive per batch shape: bounded, not 1024 of them
+            size_onednn_cache(TRAIN_ONEDNN_CACHE)  # one primitive per batch shape: bounded
             keep_freed_memory()  # big per-step tensors reuse pages instead of re-faulting
         return env, dev
 
