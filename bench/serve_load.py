@@ -125,6 +125,11 @@ def cpu_name() -> str:
     return f"{model} ({', '.join(vector)})"
 
 
+def in_flight_of(cell: dict) -> int:
+    """Sentences a cell keeps in flight: each client waits for its answer."""
+    return cell["lines"] * cell["concurrency"]
+
+
 def start_server(opts: argparse.Namespace, lines: list[str]
                  ) -> tuple[subprocess.Popen, str]:
     """`nmt serve` on a free loopback port, ready and warmed up by one request."""
@@ -180,8 +185,8 @@ def run_round(opts: argparse.Namespace, lines: list[str]) -> dict[str, object]:
         stop_server(server)
     sample = lines[:100] if opts.smoke else lines
     file_rate = translate_file(opts.checkpoint, sample, opts.threads)
-    in_flight = {c["lines"] * 32: translate_file(opts.checkpoint, sample, opts.threads,
-                                                 buffer_size=c["lines"] * 32)
+    in_flight = {in_flight_of(c): translate_file(opts.checkpoint, sample, opts.threads,
+                                                 buffer_size=in_flight_of(c))
                  for c in cells if c["concurrency"] == 32}
     alone_ms = per_line_ms(opts.checkpoint, lines[:20 if opts.smoke else 200], opts.threads)
     print(f"nmt translate: file {file_rate:.1f} sentences/s; "
@@ -208,12 +213,12 @@ def summarise(rounds: list[dict]) -> dict[str, object]:
             if c["concurrency"] != 32:
                 continue
             name = f"{c['lines']}x32"
-            in_flight = r["translate_in_flight_sentences_per_s"][c["lines"] * 32]
+            in_flight = r["translate_in_flight_sentences_per_s"][in_flight_of(c)]
             ratios.setdefault(f"{name}_vs_file", []).append(
                 c["sentences_per_s"] / r["translate_file_sentences_per_s"])
             ratios.setdefault(f"{name}_vs_same_in_flight", []).append(
                 c["sentences_per_s"] / in_flight)
-            ratios.setdefault(f"translate_{c['lines'] * 32}_in_flight_vs_file", []).append(
+            ratios.setdefault(f"translate_{in_flight_of(c)}_in_flight_vs_file", []).append(
                 in_flight / r["translate_file_sentences_per_s"])
         one, again = (c for c in r["cells"] if c["lines"] == 1 and c["concurrency"] == 1)
         ratios.setdefault("c1_p50_minus_alone_ms", []).append(

@@ -16,8 +16,8 @@ training the larger share was oneDNN's primitive cache: bf16 matmuls on CPU go t
 oneDNN, which compiles one primitive per distinct shape and keeps up to 1024 of them, and
 token-count batching produces a new (rows, d) shape almost every update. Measured on
 `small`, Multi30k, 2 threads, bf16, 600 updates: peak RSS 4.31 GB with the default cache,
-2.38 GB with `size_onednn_cache(TRAIN_ONEDNN_CACHE)` (64 primitives), at equal speed (3.96 vs 4.05
-updates/s); without keep_freed_memory 3.07 GB at 3.18 updates/s. Periodic malloc_trim
+2.38 GB with `size_onednn_cache(TRAIN_ONEDNN_CACHE)` (64 primitives), at equal speed (3.96
+vs 4.05 updates/s); without keep_freed_memory 3.07 GB at 3.18 updates/s. Periodic malloc_trim
 did not lower the peak (4.30 GB) and cost 8% of the speed, so it is not used.
 """
 
