@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO))
 from translate_speed import ct2_request  # noqa: E402  (bench/: the CPU comparison)
 
 from nmt.checkpoint import model_payload, save_checkpoint  # noqa: E402
-from nmt.config import DecodeConfig, model_preset  # noqa: E402
+from nmt.config import DecodeConfig, max_tokens_for, model_preset  # noqa: E402
 from nmt.data.vocab import Vocab, train_vocab  # noqa: E402
 from nmt.inference.translate import Translator, translate_stream  # noqa: E402
 from nmt.model.transformer import Transformer  # noqa: E402
@@ -129,7 +129,9 @@ def time_ct2(python: str, request: Path, device: str, compute_types: list[str],
                           capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         return {}, proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    # one configuration per compute type (the helper keys rows "float32@1x1/8192")
+    rows = {row["compute_type"]: row
+            for row in json.loads(proc.stdout.strip().splitlines()[-1]).values()}
     piece_id = {p: i for i, p in enumerate(vocab.pieces(range(len(vocab))))}
     for row in rows.values():
         hyps = vocab.decode([[piece_id[p] for p in h] for h in row.pop("hyps")])
@@ -176,7 +178,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lines", type=int, default=0, help="first N lines (0: all)")
     parser.add_argument("--max-len", type=int, default=256,
                         help="most target pieces per sentence, both systems")
-    parser.add_argument("--max-tokens", type=int, default=DecodeConfig().max_tokens,
+    parser.add_argument("--max-tokens", type=int, default=max_tokens_for("cuda"),
                         help="padded source tokens per batch, both systems")
     parser.add_argument("--cache", type=Path, default=Path("/tmp/nmt_bench_gpu_translate"))
     parser.add_argument("--smoke", action="store_true",

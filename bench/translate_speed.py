@@ -1,15 +1,24 @@
 """Translation speed: `nmt translate` vs CTranslate2 and fairseq, same weights, CPU, beam 4.
 
-Rows: nmt fp32, `auto`, `int8` (nmt/inference/int8_linear.py) and fp32 unpacked; CTranslate2 float32
-and int8 (the checkpoint exported with `nmt export ct2`, run by bench/ct2_translate_speed.py
-in bench/.venv-ct2, its `score_batch` log-probs checked against nmt's first); fairseq (below).
-A peer whose virtual environment is absent is skipped with a note. `--repeats N` runs every
-system once per round, interleaved, and keeps each one's fastest round (wall and CPU time):
-on a shared machine compare sentences per CPU-second. `--smoke`: 40 sentences, nmt only.
+Each system at its best for the machine, and on one core: nmt at every split of --cores
+into worker processes x torch threads (`--workers W --threads-per-worker T`), CTranslate2
+at every inter_threads x intra_threads split (replicas sharing the weights, its documented
+way to use cores for throughput) and at each of --ct2-batch-tokens; both with 1x1 too.
+nmt rows: fp32, `auto` (bf16 where the CPU has it natively), int8 (and fp32 with packing
+off, `fp32_unpacked`); CTranslate2: float32 and int8 (the checkpoint exported with `nmt
+export ct2`, run by bench/ct2_translate_speed.py in bench/.venv-ct2, its `score_batch`
+log-probs checked against nmt's first); fairseq (below). A peer whose virtual environment
+is absent is skipped with a note. `--isa avx2` runs everything with the kernels capped at
+AVX2 (what an AVX2-only CPU gets). `--early-stop beam` gives nmt the stopping rule
+CTranslate2 uses (it stops a sentence once `beam` hypotheses have finished; nmt's default,
+the paper's rule, searches on while one could still win): like with like.
 
-Measures sentences/s and target tokens/s (EOS included) over the 1,000 Multi30k test
-sentences (test_2016_flickr.en) with beam 4, length penalty 0.6, max length 0*src + 50,
-length-sorted batches of --max-tokens source tokens on both sides.
+Every configuration runs in a fresh process, one after the other: a warm-up of 20 lines,
+then --repeats timed passes over the 1,000 Multi30k test sentences (test_2016_flickr.en)
+by the same translator, the best kept (wall time; CPU time of the process and its workers
+too); beam 4, length penalty 0.6, max length 0*src + 50, length-sorted batches. Memory of
+nmt's rows: PSS of all its processes (shared pages split among them) and what each worker
+holds privately. Ends with one JSON line; the CPU and its vector flags are named.
 
 The model is --checkpoint if given (a trained one gives realistic output lengths),
 otherwise the `small` shape (3+3 layers, d_model 256) with random init, seed 0, and a
@@ -25,36 +34,22 @@ so its (untied) decoder input embedding row of </s> holds our BOS embedding, and
 projection is untied too. The helper checks the teacher-forced log-probs agree. Note that
 fairseq's length penalty is |Y|^alpha (ours GNMT's ((5+|Y|)/6)^alpha) and its stopping
 rule differs (it waits for `beam` finished hypotheses), so outputs may differ slightly.
-
-Precision: nmt is timed at fp32 (like for like) and at its default `--precision auto` (bf16
-weights where the CPU computes bf16 natively, e.g. AVX512-BF16; else fp32 again), both with its
-linears packed for oneDNN (nmt/inference/packed_linear.py, what `nmt translate` does on a CPU),
-and once more at fp32 with packing off (NMT_PACKED_LINEAR=0: torch's default MKL path, the one
-fairseq runs on) to show what the packing contributes. fairseq runs fp32, its fastest mode on a
-CPU: measured here (Multi30k test, 1 thread), `fairseq-generate --cpu --bf16` leaves the model
-in fp32 (same output, same time, 27.6 s vs 29.0 s) and `--fp16` is 2.9x slower (82.9 s). The
-target line compares the defaults.
+fairseq runs fp32 with torch threads = --cores, its fastest mode on a CPU.
 
 Quality check: every system's output is scored (sacreBLEU, detokenized, against
-test_2016_flickr.de), so a faster setting that translates worse would show.
-
-Both sides run one after the other with --threads each and report wall time AND process
-CPU time: on a machine shared with other work, wall time measures the load more than the
-code, so the CPU-time ratio is the fairer comparison (the JSON also records the load
-average at the end).
+test_2016_flickr.de), and compared line by line with nmt fp32 1x1's, so a faster setting
+that translates worse would show.
 
 Trained-model setup (realistic output lengths, ~13 pieces per sentence): the model
 `make demo` leaves (15 minutes of training on Multi30k, 5 checkpoints averaged), then
   .venv/bin/python bench/translate_speed.py --checkpoint runs/multi30k-en-de/average.pt
-A barely trained model (say 88 updates) mostly babbles to its length limit (~42 pieces per
-sentence): a long-output case that weights the per-token matmuls over per-step overheads.
-Run: .venv/bin/python bench/translate_speed.py [--checkpoint RUN/checkpoint_last.pt]
-Ends with one JSON line.
+Run: .venv/bin/python bench/translate_speed.py [--checkpoint RUN/average.pt] [--isa avx2]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import os
@@ -181,17 +176,26 @@ def export_for_fairseq(model: Transformer, vocab: Vocab, lines: list[str], cfg: 
 
 
 def time_ours(checkpoint: Path, lines: list[str], refs: list[str], cfg: DecodeConfig,
-              precision: str, packed: bool = True, passes: int = 1) -> dict[str, object]:
-    """`nmt translate`'s stream path over `lines` at `precision` (after a 20-line warm-up),
-    with the linears packed for oneDNN or (packed=False) on torch's default path.
+              precision: str, packed: bool = True, passes: int = 1, workers: int = 1,
+              threads: int = 1, repeats: int = 1) -> dict[str, object]:
+    """`nmt translate`'s stream path over `lines` at `precision` with `workers` processes of
+    `threads` torch threads (after a 20-line warm-up), with the linears packed for oneDNN
+    or (packed=False) on torch's default path; best of `repeats` timed passes.
 
-    With `passes` > 1 one translator goes over `lines` that many times and the last pass
-    is timed: the steady state of a long input (many batches), where memory carried from
-    batch to batch shows. `rss_growth_mb` is the resident memory added between the end of
-    the first pass and the end of the last: about 0 unless something accumulates."""
+    Run in a fresh process per configuration (`child_main`): forking workers from a process
+    whose OpenMP pool already ran would hang them (nmt/inference/workers.py), and no
+    configuration inherits another's memory. With `passes` > 1 the translator first goes
+    over `lines` passes - 1 times untimed: the steady state of a long input.
+    `rss_growth_mb` is the resident memory added between the end of the first pass and
+    the end of the last: about 0 unless something accumulates. Memory of the workers:
+    `pss_mb` (all processes, shared pages split among them) and each worker's private
+    pages (`worker_private_mb`, what a worker adds)."""
     os.environ["NMT_PACKED_LINEAR"] = "1" if packed else "0"
     packed_linear.available.cache_clear()
-    translator = Translator.load([checkpoint], cfg, device="cpu", precision=precision)
+    if workers == 1:
+        torch.set_num_threads(threads)
+    translator = Translator.load([checkpoint], cfg, device="cpu", precision=precision,
+                                 workers=workers, threads=threads)
     data = ("\n".join(lines) + "\n").encode()
     translate_stream(io.BytesIO(("\n".join(lines[:20]) + "\n").encode()), io.BytesIO(),
                      translator)  # warm-up
@@ -199,15 +203,21 @@ def time_ours(checkpoint: Path, lines: list[str], refs: list[str], cfg: DecodeCo
     for _ in range(passes - 1):
         translate_stream(io.BytesIO(data), io.BytesIO(), translator)
         rss_first = status_bytes("VmRSS") / 2 ** 20 if rss_first is None else rss_first
-    sink = io.BytesIO()
-    start, cpu_start = time.perf_counter(), time.process_time()
-    stats = translate_stream(io.BytesIO(data), sink, translator)
-    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    best = None
+    for _ in range(repeats):
+        sink = io.BytesIO()
+        start, cpu_start = time.perf_counter(), _cpu_seconds(translator)
+        stats = translate_stream(io.BytesIO(data), sink, translator)
+        seconds, cpu = time.perf_counter() - start, _cpu_seconds(translator) - cpu_start
+        if best is None or seconds < best[0]:
+            best = (seconds, cpu, stats, sink)
+    seconds, cpu, stats, sink = best
     rss_end = status_bytes("VmRSS") / 2 ** 20  # resident MiB (Linux /proc)
+    memory = _memory(translator)
+    translator.close()
     hyps = sink.getvalue().decode("utf-8").splitlines()
-    os.environ.pop("NMT_PACKED_LINEAR")
-    packed_linear.available.cache_clear()
     return {"system": "nmt", "precision": precision, "packed_linears": packed,
+            "workers": workers, "threads": threads, "max_tokens": translator.max_tokens,
             "bleu": corpus_scores(hyps, refs, digits=2)["bleu"], "hyps": hyps,
             "resolved_precision": resolve_precision(precision, torch.device("cpu")),
             "sentences": stats.sentences, "tgt_tokens": stats.tgt_tokens,
@@ -215,8 +225,68 @@ def time_ours(checkpoint: Path, lines: list[str], refs: list[str], cfg: DecodeCo
             "tokens_per_s": stats.tgt_tokens / seconds, "cpu_seconds": cpu,
             "sentences_per_cpu_s": stats.sentences / cpu,
             "tokens_per_cpu_s": stats.tgt_tokens / cpu, "passes": passes, "rss_mb": rss_end,
-            "rss_growth_mb": None if rss_first is None else rss_end - rss_first}
+            "rss_growth_mb": None if rss_first is None else rss_end - rss_first, **memory}
 
+
+def _cpu_seconds(translator: Translator) -> float:
+    """CPU time of this process and its worker processes so far (Linux /proc)."""
+    total = time.process_time()
+    ticks = os.sysconf("SC_CLK_TCK")
+    for pid in ([] if translator.pool is None else translator.pool.pids):
+        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+    return total
+
+
+def _smaps(pid: int | str) -> dict[str, float]:
+    """Pss and private memory of a process in MiB (/proc/PID/smaps_rollup)."""
+    values: dict[str, float] = {}
+    with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as handle:
+        for line in handle:
+            parts = line.split()
+            if len(parts) >= 2 and parts[0].rstrip(":") in ("Pss", "Private_Clean",
+                                                             "Private_Dirty", "Rss"):
+                values[parts[0].rstrip(":")] = int(parts[1]) / 1024
+    return values
+
+
+def _memory(translator: Translator) -> dict[str, object]:
+    """Memory of the parent and its workers after the timed passes."""
+    own = _smaps("self")
+    workers = [_smaps(pid) for pid in ([] if translator.pool is None else translator.pool.pids)]
+    return {"pss_mb": own["Pss"] + sum(w["Pss"] for w in workers),
+            "parent_rss_mb": own["Rss"],
+            "worker_private_mb": [w["Private_Clean"] + w["Private_Dirty"] for w in workers],
+            "worker_rss_mb": [w["Rss"] for w in workers]}
+
+
+def child_main(request: Path) -> None:
+    """Time one nmt configuration (a JSON request written by `run_nmt`) and print its row
+    as one JSON line."""
+    req = json.loads(request.read_text(encoding="utf-8"))
+    cfg = DecodeConfig(**req["cfg"])
+    row = time_ours(Path(req["checkpoint"]), req["lines"], req["refs"], cfg, req["precision"],
+                    req["packed"], req["passes"], req["workers"], req["threads"],
+                    req["repeats"])
+    print(json.dumps(row))
+
+
+def run_nmt(checkpoint: Path, lines: list[str], refs: list[str], cfg: DecodeConfig,
+            precision: str, packed: bool, passes: int, workers: int, threads: int,
+            repeats: int, cache: Path) -> dict[str, object]:
+    """`time_ours` in a fresh Python process (see there)."""
+    request = cache / "nmt_request.json"
+    request.write_text(json.dumps({
+        "checkpoint": str(checkpoint), "lines": lines, "refs": refs,
+        "cfg": dataclasses.asdict(cfg), "precision": precision, "packed": packed,
+        "passes": passes, "workers": workers, "threads": threads, "repeats": repeats}),
+        encoding="utf-8")
+    proc = subprocess.run([sys.executable, __file__, "--child", str(request)],
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"nmt {precision} {workers}x{threads} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def ct2_request(checkpoint: Path, lines: list[str], cfg: DecodeConfig, cache: Path
@@ -253,12 +323,16 @@ def ct2_request(checkpoint: Path, lines: list[str], cfg: DecodeConfig, cache: Pa
     return path
 
 
-def time_ct2(request: Path, threads: int, vocab: Vocab, refs: list[str], passes: int = 1
+def time_ct2(request: Path, grid: list[tuple[int, int]], batch_tokens: list[int],
+             vocab: Vocab, refs: list[str], passes: int = 1, repeats: int = 1
              ) -> dict[str, dict]:
-    """CTranslate2 float32 and int8 rows from the helper in bench/.venv-ct2 (the same
-    warm-up and `passes` as nmt's rows)."""
+    """CTranslate2 float32 and int8 rows, one per inter_threads x intra_threads of `grid`
+    and batch size of `batch_tokens`, from the helper in bench/.venv-ct2 (the same warm-up,
+    `passes` and `repeats` as nmt's rows)."""
     proc = subprocess.run([str(CT2_PY), str(REPO / "bench" / "ct2_translate_speed.py"),
-                           str(request), "--threads", str(threads), "--passes", str(passes)],
+                           str(request), "--grid", ",".join(f"{i}x{t}" for i, t in grid),
+                           "--batch-tokens", ",".join(map(str, batch_tokens)),
+                           "--passes", str(passes), "--repeats", str(repeats)],
                           capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"CTranslate2 side failed:\n{proc.stderr[-3000:]}")
@@ -304,6 +378,21 @@ def keep_best(best: dict[str, dict], name: str, row: dict) -> None:
     keep["tokens_per_cpu_s"] = keep["tgt_tokens"] / cpu
 
 
+def configurations(text: str, cores: int) -> list[tuple[int, int]]:
+    """(processes or replicas, threads each) from "2x1,1x2"; empty: every split of `cores`
+    (W x T with W * T = cores) and the one-thread row 1x1."""
+    if text:
+        return [(int(a), int(b)) for a, b in (item.lower().split("x")
+                                              for item in text.split(","))]
+    splits = [(w, cores // w) for w in range(cores, 0, -1) if cores % w == 0]
+    return splits + ([(1, 1)] if (1, 1) not in splits else [])
+
+
+ISA_CAPS = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
+            "CT2_FORCE_CPU_ISA": "AVX2"}  # what an AVX2-only CPU runs (as `make test`'s isa pass)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", type=Path, default=None)
@@ -311,24 +400,46 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=8000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sentences", type=int, default=1000)
-    parser.add_argument("--max-tokens", type=int, default=4096)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="Rounds; every system once per round (interleaved), best kept.")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="nmt's batch size (default: nmt translate's, 2048 on a CPU).")
+    parser.add_argument("--early-stop", default="bound", choices=["bound", "beam"],
+                        help="nmt's stopping rule (beam: CTranslate2's, like with like).")
+    parser.add_argument("--ct2-batch-tokens", default="4096,2048,1024",
+                        help="CTranslate2's max_batch_size values (tokens) tried; its best "
+                             "is reported.")
+    parser.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)),
+                        help="Cores to use; configurations split them (see --configs).")
+    parser.add_argument("--configs", default="",
+                        help="nmt WORKERSxTHREADS and CTranslate2 INTERxINTRA list (e.g. "
+                             "2x1,1x2,1x1); default: every split of --cores, and 1x1.")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="Old form: one configuration, 1 x THREADS, for every system.")
+    parser.add_argument("--isa", choices=["native", "avx2"], default="native",
+                        help="avx2: rerun with every library's kernels capped at AVX2 "
+                             "(no AVX-512, no native bf16): what an AVX2-only CPU gets.")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="Timed passes per translator (and per CTranslate2 replica "
+                             "set), the best kept.")
     parser.add_argument("--passes", type=int, default=1,
                         help="Passes over the input by one translator (nmt and CTranslate2), "
                              "the last timed: the steady state of a long input; >1 also "
                              "reports nmt's resident-memory growth.")
-    parser.add_argument("--systems", default="fp32,auto,int8,fp32_unpacked,ct2,fairseq",
+    parser.add_argument("--systems", default="fp32,auto,int8,ct2",
                         help="Comma list among fp32, auto, int8, fp32_unpacked, ct2, fairseq.")
     parser.add_argument("--skip-fairseq", action="store_true")
     parser.add_argument("--skip-ct2", action="store_true")
     parser.add_argument("--smoke", action="store_true",
-                        help="Cheap check: 40 sentences, one round, nmt rows only.")
+                        help="Cheap check: 40 sentences, nmt only, 1x1 and the cores split.")
+    parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     opts = parser.parse_args()
+    if opts.child is not None:
+        child_main(opts.child)
+        return
+    if opts.isa == "avx2" and os.environ.get("ONEDNN_MAX_CPU_ISA") != "AVX2":
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ISA_CAPS})
     systems = opts.systems.split(",")
     if opts.smoke:
-        opts.sentences, opts.repeats, systems = 40, 1, ["fp32", "auto", "int8"]
+        opts.sentences, opts.repeats, systems = 40, 1, ["fp32", "int8"]
     if opts.skip_fairseq or not FAIRSEQ_PY.exists():
         systems = [s for s in systems if s != "fairseq"]
     if opts.skip_ct2 or not CT2_PY.exists():
@@ -337,77 +448,116 @@ def main() -> None:
         if peer in opts.systems.split(",") and peer not in systems and not opts.smoke:
             print(f"{peer} rows skipped: {python} not found (see its helper's docstring)",
                   file=sys.stderr)
-    torch.set_num_threads(opts.threads)
+    grid = ([(1, opts.threads)] if opts.threads else configurations(opts.configs, opts.cores))
     opts.cache.mkdir(parents=True, exist_ok=True)
     checkpoint = opts.checkpoint or build_model(opts.cache, opts.vocab_size, opts.seed)
     lines = (DATA / "test_2016_flickr.en").read_text(encoding="utf-8").split("\n")
     lines = lines[: opts.sentences]
     refs = (DATA / "test_2016_flickr.de").read_text(encoding="utf-8").splitlines()
     cfg = DecodeConfig(beam=4, alpha=0.6, max_len_a=0.0, max_len_b=50,
-                       max_tokens=opts.max_tokens, buffer_size=len(lines))
+                       max_tokens=opts.max_tokens, buffer_size=len(lines),
+                       early_stop=opts.early_stop)
     _, vocab, _ = load_model(checkpoint, "cpu")
     request = None
     if "ct2" in systems:
-        request = ct2_request(checkpoint, lines, cfg, opts.cache)
+        ct2_cfg = dataclasses.replace(cfg, max_tokens=opts.max_tokens or 2048)
+        request = ct2_request(checkpoint, lines, ct2_cfg, opts.cache)
         if request is None:
             systems.remove("ct2")
     nmt_runs = {"fp32": ("fp32", True), "auto": ("auto", True), "int8": ("int8", True),
                 "fp32_unpacked": ("fp32", False)}
     best: dict[str, dict] = {}
-    for _ in range(opts.repeats):  # interleaved: A, B, C, A, B, C, ...
-        for name in systems:
-            if name in nmt_runs:
-                precision, packed = nmt_runs[name]
-                keep_best(best, name, time_ours(checkpoint, lines, refs, cfg, precision,
-                                                packed, opts.passes))
-            elif name == "ct2":
-                for compute_type, row in time_ct2(request, opts.threads, vocab, refs,
-                                                          opts.passes).items():
-                    keep_best(best, f"ct2_{compute_type}", row)
-            elif name == "fairseq":
-                keep_best(best, "fairseq", time_fairseq(checkpoint, lines, cfg, opts.cache,
-                                                        opts.threads, refs))
-    report(best, opts, checkpoint)
+    for name in systems:  # one system after another, each alone on the machine
+        if name in nmt_runs:
+            precision, packed = nmt_runs[name]
+            for workers, threads in grid:
+                row = run_nmt(checkpoint, lines, refs, cfg, precision, packed, opts.passes,
+                              workers, threads, opts.repeats, opts.cache)
+                best[f"{name}@{workers}x{threads}"] = row
+                print(f"nmt {name} {workers}x{threads}: {row['sentences_per_s']:.1f} "
+                      "sentences/s", file=sys.stderr)
+        elif name == "ct2":
+            assert request is not None
+            sizes = [int(x) for x in opts.ct2_batch_tokens.split(",")]
+            for key, row in time_ct2(request, grid, sizes, vocab, refs, opts.passes,
+                                     opts.repeats).items():
+                best[f"ct2_{key}"] = row
+        elif name == "fairseq":
+            threads = max(t * w for w, t in grid)
+            torch.set_num_threads(threads)
+            keep_best(best, "fairseq", time_fairseq(checkpoint, lines, cfg, opts.cache,
+                                                    threads, refs))
+    report(best, opts, checkpoint, grid)
 
 
-def report(best: dict[str, dict], opts: argparse.Namespace, checkpoint: Path) -> None:
-    """The table (stdout), ratios against CTranslate2 and fairseq, and one JSON line."""
-    base = best.get("fp32", {}).get("hyps")
-    print(f"{'system':<24}{'sent/s':>9}{'sent/CPU-s':>12}{'tok/s':>9}{'BLEU':>7}"
-          f"{'same as nmt fp32':>18}")
+def _best_of(best: dict[str, dict], prefix: str, grid_key: str | None = None
+             ) -> tuple[str, dict] | None:
+    """The fastest row whose name starts with `prefix` (at one configuration when
+    `grid_key`, e.g. "1x1", is given)."""
+    rows = [(k, r) for k, r in best.items() if k.startswith(prefix)
+            and (grid_key is None or f"@{grid_key}" in k)]
+    return max(rows, key=lambda kr: kr[1]["sentences_per_s"]) if rows else None
+
+
+def report(best: dict[str, dict], opts: argparse.Namespace, checkpoint: Path,
+           grid: list[tuple[int, int]]) -> None:
+    """The table (stdout), each system's best against CTranslate2's best, and one JSON
+    line."""
+    cpu = _cpu_name()
+    isa = "AVX2 caps" if os.environ.get("ONEDNN_MAX_CPU_ISA") == "AVX2" else "native"
+    print(f"CPU: {cpu}; kernels: {isa}; {opts.cores} cores; nmt --early-stop "
+          f"{opts.early_stop}")
+    base_row = _best_of(best, "fp32@", "1x1")
+    base = None if base_row is None else base_row[1]["hyps"]
+    print(f"{'system':<34}{'sent/s':>9}{'sent/CPU-s':>12}{'BLEU':>7}{'same as fp32 1x1':>18}"
+          f"{'memory':>28}")
     for name, row in best.items():
-        label = name if row["system"] != "nmt" else \
-            f"nmt {name} ({row['resolved_precision']})"
         same = "" if base is None else \
             f"{sum(a == b for a, b in zip(row['hyps'], base, strict=True)) / len(base):.3f}"
-        row["same_as_nmt_fp32"] = same
-        print(f"{label:<24}{row['sentences_per_s']:>9.1f}{row['sentences_per_cpu_s']:>12.1f}"
-              f"{row['tokens_per_s']:>9.0f}{row['bleu']:>7.2f}{same:>18}")
-    for name, row in best.items():
-        if row.get("rss_growth_mb") is not None:
-            print(f"nmt {name}: {row['rss_mb']:.0f} MiB resident after {row['passes']} passes, "
-                  f"{row['rss_growth_mb']:+.0f} MiB since the first")
+        row["same_as_nmt_fp32_1x1"] = same
+        label = f"nmt {name} ({row['resolved_precision']})" if row["system"] == "nmt" else name
+        memory = ""
+        if row["system"] == "nmt":
+            private = row.get("worker_private_mb") or []
+            memory = (f"PSS {row['pss_mb']:.0f} MiB" + (
+                f", +{max(private):.0f}/worker" if private else ""))
+        print(f"{label:<34}{row['sentences_per_s']:>9.1f}{row['sentences_per_cpu_s']:>12.1f}"
+              f"{row['bleu']:>7.2f}{same:>18}{memory:>28}")
     result: dict[str, object] = {"bench": "translate_speed", "checkpoint": str(checkpoint),
-                                 "beam": 4, "alpha": 0.6, "max_len_b": 50,
-                                 "threads": opts.threads, "repeats": opts.repeats,
-                                 "sentences": opts.sentences}
-    targets = [("int8", "ct2_int8"), ("fp32", "ct2_float32"), ("auto", "ct2_float32"),
-               ("auto", "fairseq"), ("fp32", "fairseq")]
-    for ours, peer in targets:
-        if ours in best and peer in best:
-            wall = best[ours]["sentences_per_s"] / best[peer]["sentences_per_s"]
-            cpu = best[ours]["sentences_per_cpu_s"] / best[peer]["sentences_per_cpu_s"]
-            print(f"nmt {ours} / {peer}: {wall:.2f}x sentences/s wall, {cpu:.2f}x per "
-                  "CPU-second (target >= 1.0x)" if peer.startswith("ct2") else
-                  f"nmt {ours} / {peer}: {wall:.2f}x sentences/s wall, {cpu:.2f}x per "
-                  "CPU-second")
-            result[f"speedup_{ours}_vs_{peer}"] = wall
-            result[f"speedup_cpu_{ours}_vs_{peer}"] = cpu
+                                 "cpu": cpu, "isa": isa, "cores": opts.cores,
+                                 "early_stop": opts.early_stop,
+                                 "grid": [f"{w}x{t}" for w, t in grid], "beam": 4,
+                                 "alpha": 0.6, "max_len_b": 50, "repeats": opts.repeats,
+                                 "passes": opts.passes, "sentences": opts.sentences}
+    targets = [("int8@", "ct2_int8@"), ("fp32@", "ct2_float32@"), ("auto@", "ct2_int8@")]
+    for scope, key in (("best", None), ("one thread", "1x1")):
+        for ours, peer in targets:
+            mine, theirs = _best_of(best, ours, key), _best_of(best, peer, key)
+            if mine is None or theirs is None:
+                continue
+            wall = mine[1]["sentences_per_s"] / theirs[1]["sentences_per_s"]
+            print(f"{scope}: nmt {mine[0]} / {theirs[0]}: {wall:.2f}x sentences/s "
+                  "(target >= 1.0x)")
+            result[f"speedup_{scope.replace(' ', '_')}_{ours[:-1]}_vs_{peer[:-1]}"] = wall
     for row in best.values():
         row.pop("hyps", None)
-    result.update({name: row for name, row in best.items()})
+    result["rows"] = best
     result["load_average_1_5_15"] = list(os.getloadavg())
     print(json.dumps(result))
+
+
+def _cpu_name() -> str:
+    """The CPU's model name and its widest vector flags, from /proc/cpuinfo."""
+    try:
+        info = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return "unknown"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                 if line.startswith("model name")), "unknown")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines()
+                      if line.startswith("flags")), []))
+    wanted = ["avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8"]
+    return f"{name} ({' '.join(f for f in wanted if f in flags)})"
 
 
 if __name__ == "__main__":

@@ -20,6 +20,11 @@ from nmt.errors import NmtError
 console = Console(stderr=True, highlight=False)
 
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # 128 + SIGTERM, what a shell reports for a process it killed
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived in a command that stops cleanly on it (see `interrupt_surely`)."""
 
 
 def fail(command: str, message: str, code: int) -> NoReturn:
@@ -47,6 +52,10 @@ def handle_errors(command: str) -> Iterator[None]:
     except KeyboardInterrupt:
         _say_interrupted(command)
         raise typer.Exit(EXIT_INTERRUPTED) from None
+    except Terminated:
+        sys.stderr.write(f"nmt {command}: terminated\n")
+        sys.stderr.flush()
+        raise typer.Exit(EXIT_TERMINATED) from None
     except BrokenPipeError:
         # `nmt translate | head`: the reader left. Point stdout at /dev/null so the
         # interpreter's final flush does not raise again, and exit quietly.
@@ -55,7 +64,8 @@ def handle_errors(command: str) -> Iterator[None]:
         raise typer.Exit(0) from None
 
 
-def interrupt_surely(command: str, grace_seconds: float = 5.0) -> None:
+def interrupt_surely(command: str, grace_seconds: float = 5.0,
+                     terminate: bool = False) -> None:
     """Make Ctrl-C end this process even when Python drops the KeyboardInterrupt.
 
     The interrupt is raised wherever the main thread is; if that is a finalizer (a
@@ -64,15 +74,21 @@ def interrupt_surely(command: str, grace_seconds: float = 5.0) -> None:
     also starts a daemon timer that, if the process is still alive `grace_seconds` later,
     says "interrupted" and exits 130 at once. For commands with no cleanup that matters
     (translate writes its output file atomically; a temp file left behind is all).
+
+    With `terminate`, SIGTERM does the same with `Terminated` (exit 143, "terminated"),
+    so the command can write what it finished and stop its workers first.
     """
 
-    def on_sigint(signum: int, frame: object) -> None:
-        timer = threading.Timer(grace_seconds, _exit_interrupted, args=(command,))
+    def on_signal(signum: int, frame: object) -> None:
+        code = EXIT_TERMINATED if signum == signal.SIGTERM else EXIT_INTERRUPTED
+        timer = threading.Timer(grace_seconds, _exit_interrupted, args=(command, code))
         timer.daemon = True
         timer.start()
-        raise KeyboardInterrupt
+        raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 
-    signal.signal(signal.SIGINT, on_sigint)
+    signal.signal(signal.SIGINT, on_signal)
+    if terminate:
+        signal.signal(signal.SIGTERM, on_signal)
 
 
 def _say_interrupted(command: str) -> None:
@@ -80,9 +96,11 @@ def _say_interrupted(command: str) -> None:
     sys.stderr.flush()
 
 
-def _exit_interrupted(command: str) -> None:
-    _say_interrupted(command)
-    os._exit(EXIT_INTERRUPTED)
+def _exit_interrupted(command: str, code: int = EXIT_INTERRUPTED) -> None:
+    sys.stderr.write(f"nmt {command}: {'terminated' if code == EXIT_TERMINATED else 'interrupted'}"
+                     "\n")
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def not_built(command: str, issue: str) -> NoReturn:

@@ -30,8 +30,11 @@ def command(
                                help="auto | cpu | cuda."),
     precision: str = typer.Option(_R.precision, "--precision", show_default=True,
                                   help="auto | fp32 | bf16 | fp16 | int8, as translate."),
-    threads: int = typer.Option(None, "--threads", show_default="torch's",
-                                help="Torch intra-op threads."),
+    threads: int = typer.Option(None, "--threads", show_default="cores / workers",
+                                help="Torch intra-op threads of each worker."),
+    workers: int = typer.Option(None, "--workers", show_default="CPU: every core; GPU: 1",
+                                help="Decoding processes per model sharing its weights "
+                                "(CPU); batches of concurrent requests run side by side."),
     max_batch_tokens: int = typer.Option(_L.max_batch_tokens, "--max-batch-tokens",
                                          show_default=True,
                                          help="Source pieces one batch across requests "
@@ -80,7 +83,14 @@ def command(
         keys = _read_keys(api_keys) if api_keys is not None else []
         limits = Limits(max_body_bytes, max_lines, max_chars, max_batch_tokens, max_wait_ms,
                         idle_ms, max_queue_lines)
-        served = load_models(models, limits, device, precision, threads)
+        from nmt.cores import available_cores
+        from nmt.device import resolve_device
+        from nmt.inference.workers import plan_workers
+
+        plan = plan_workers(workers, threads, resolve_device(device).type, available_cores())
+        if plan.note:
+            console.print(f"nmt serve: {plan.note}", markup=False, soft_wrap=True)
+        served = load_models(models, limits, device, precision, plan.threads, plan.workers)
         app = build_app(served, limits, keys, cors_origin)
         url = f"http://{host}:{port}"
         for model in served:

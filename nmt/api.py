@@ -67,11 +67,12 @@ class ScoreResult:
 class Translator:
     """A loaded model (or ensemble) that translates and scores lists of sentences.
 
-    Thread safety: one Translator may be shared by several threads. Its calls run one at a
-    time (an internal lock serialises them, because the decoding buffers and the sampling
-    generator are per Translator); each call already uses torch's intra-op threads. To
-    translate more in parallel, pass more lines per call (they are batched together), or
-    load one Translator per thread. `nmt serve` merges concurrent requests into batches.
+    Parallelism: `workers=N` (CPU) decodes in N forked processes that share the loaded
+    weights; a call's batches are spread over them, and so are the batches of calls made
+    from several threads at once. Without workers one Translator may still be shared by
+    threads, but its calls run one at a time (a lock: the decoding buffers are per
+    Translator), each on torch's intra-op threads. Close it (or use `with`) to stop the
+    workers. `nmt serve` merges concurrent requests into batches and runs them on them.
     """
 
     def __init__(self, engine: Engine, paths: list[Path],
@@ -85,27 +86,45 @@ class Translator:
     @classmethod
     def load(cls, path: str | Path | Sequence[str | Path], device: str = _R.device,
              precision: str = _R.precision, threads: int | None = None,
-             weights: str = _R.weights, quiet: bool = False) -> Translator:
+             weights: str = _R.weights, quiet: bool = False, workers: int = 1) -> Translator:
         """Load a checkpoint file, or a run directory (its average.pt, else
         checkpoint_best.pt, else checkpoint_last.pt: the choice is printed on stderr
         unless `quiet`); a list of them is an ensemble. `device`, `precision` and
-        `weights` as `nmt translate`'s flags; `threads` sets torch's intra-op threads
-        for the whole process (None: leave torch's setting)."""
+        `weights` as `nmt translate`'s flags. `workers` > 1 (CPU) forks that many
+        decoding processes sharing the weights, `threads` torch threads each (None: 1);
+        with one worker `threads` sets torch's intra-op threads for the whole process
+        (None: leave torch's setting)."""
         import torch
 
         from nmt.checkpoint import resolve_model_paths
         from nmt.inference.translate import Translator as Engine
 
-        if threads is not None:
-            if threads < 1:
-                raise UsageError(f"threads must be >= 1, got {threads}")
+        for name, value in (("threads", threads), ("workers", workers)):
+            if value is not None and value < 1:
+                raise UsageError(f"{name} must be >= 1, got {value}")
+        if threads is not None and workers == 1:
             torch.set_num_threads(threads)
         given = [path] if isinstance(path, str | Path) else list(path)
         files = resolve_model_paths([Path(p) for p in given], lambda item, file: quiet or print(
             f"nmt: {item}: using {file}", file=sys.stderr))
         engine = Engine.load(files, _D, device=device, precision=precision,
-                             weights=weights)
+                             weights=weights, workers=workers, threads=threads or 1)
         return cls(engine, files, _languages(files[0]))
+
+    def __enter__(self) -> Translator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the worker processes (idempotent); later calls decode in this process."""
+        self._engine.close()
+
+    @property
+    def workers(self) -> int:
+        """Processes decoding in parallel (1: this one)."""
+        return self._engine.workers
 
     @property
     def device(self) -> str:
@@ -142,10 +161,11 @@ class Translator:
                   nbest: int = _D.nbest, return_scores: bool = False,
                   target_prefix: Sequence[str | None] | None = None,
                   max_len_a: float = _D.max_len_a, max_len_b: int = _D.max_len_b,
-                  min_len: int = _D.min_len, sampling: bool = _D.sampling,
+                  min_len: int = _D.min_len, early_stop: str = _D.early_stop,
+                  sampling: bool = _D.sampling,
                   temperature: float = _D.temperature, top_k: int = _D.top_k,
                   top_p: float = _D.top_p, seed: int | None = None,
-                  max_tokens: int = _D.max_tokens, buffer_size: int = _D.buffer_size,
+                  max_tokens: int | None = _D.max_tokens, buffer_size: int = _D.buffer_size,
                   max_src_len: int | None = None) -> list[str] | list[TranslationResult]:
         """Translate `lines` (one sentence each), same order, one result per line; an
         empty line gives "". Options are `nmt translate`'s flags of the same names, with
@@ -157,27 +177,29 @@ class Translator:
         `sampling` reproducible for this call. Over-long lines are truncated to
         `max_src_len` pieces (default: the model's positions - 1), as `nmt translate` does.
         """
-        from nmt.inference.translate import translate_texts
+        from nmt.inference.translate import start_texts
 
         texts = _as_lines(lines, "lines")
         if target_prefix is not None and len(target_prefix) != len(texts):
             raise UsageError(f"target_prefix has {len(target_prefix)} entries for "
                              f"{len(texts)} lines; give one per line (None for none)")
         cfg = DecodeConfig(beam=beam, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
-                           min_len=min_len, nbest=nbest, sampling=sampling,
+                           min_len=min_len, early_stop=early_stop, nbest=nbest,
+                           sampling=sampling,
                            temperature=temperature, top_k=top_k, top_p=top_p,
                            max_tokens=max_tokens, buffer_size=buffer_size)
-        results = []
-        with self._lock:
+        with self._lock:  # forming batches (and, without workers, decoding them)
             engine = self._engine.configured(cfg, max_src_len, name="max_src_len")
             if seed is not None:
-                engine.generator.manual_seed(seed)
+                engine.seeds.restart(seed)
+            pending = []
             for start in range(0, len(texts), cfg.buffer_size):  # as nmt translate buffers
                 end = start + cfg.buffer_size
                 prefixes = None if target_prefix is None else list(target_prefix[start:end])
-                results += translate_texts(engine, texts[start:end], prefixes=prefixes,
+                pending.append(start_texts(engine, texts[start:end], prefixes=prefixes,
                                            line_numbers=range(start + 1, end + 1),
-                                           source_name="lines")
+                                           source_name="lines"))
+        results = [r for part in pending for r in part.result()]  # workers: no lock held
         if nbest == 1 and not return_scores:
             return [r.texts[0] if r.texts else "" for r in results]
         return [TranslationResult([ScoredText(text, h.score, h.log_prob)
@@ -185,7 +207,7 @@ class Translator:
                 for r in results]
 
     def score(self, sources: Sequence[str], targets: Sequence[str], *,
-              max_tokens: int = _D.max_tokens) -> list[ScoreResult]:
+              max_tokens: int | None = _D.max_tokens) -> list[ScoreResult]:
         """The model's log-probability of each `targets[i]` as the translation of
         `sources[i]` (forced decoding, EOS included): per pair, raw and per token. Texts
         are tokenized here, so a translation's score equals the log-probability its search
@@ -201,7 +223,7 @@ class Translator:
             engine = self._engine
             src_ids = engine.vocab.encode(src_texts) if src_texts else []
             tgt_ids = engine.vocab.encode(tgt_texts) if tgt_texts else []
-            scored = score_ids(engine, src_ids, tgt_ids, max_tokens)
+            scored = score_ids(engine, src_ids, tgt_ids, max_tokens or engine.max_tokens)
         return [ScoreResult(lp, n, lp / n) for lp, n in scored]
 
 

@@ -248,29 +248,55 @@ class DecodeConfig:
     max_len_a: float = 1.0  # max output length = a * source length + b (paper: input + 50)
     max_len_b: int = 50
     min_len: int = 1  # EOS forbidden before this many pieces (fairseq's default too)
+    # When a sentence's beam search stops (EARLY_STOPS): "bound", once no alive hypothesis
+    # can beat the finished ones (the paper's code, tensor2tensor); "beam", once `beam`
+    # hypotheses have finished (fairseq, CTranslate2, Marian): fewer steps.
+    early_stop: str = "bound"
     nbest: int = 1
     sampling: bool = False
     temperature: float = 1.0
     top_k: int = 0  # 0: no top-k filter
     top_p: float = 1.0  # 1.0: no nucleus filter
-    max_tokens: int = 8192  # per batch: padded tokens of the (source) side, EOS included,
-    # as training's --max-tokens counts them (nmt.data.batching.batch_by_tokens)
+    # Per batch: padded tokens of the (source) side, EOS included, as training's
+    # --max-tokens counts them (nmt.data.batching.batch_by_tokens); None: by device
+    # (MAX_TOKENS_BY_DEVICE), resolved by the translator.
+    max_tokens: int | None = None
     buffer_size: int = 2000  # lines read ahead and length-sorted before batching
 
     def __post_init__(self) -> None:
-        _check_positive(self, ("beam", "nbest", "max_tokens", "buffer_size"))
+        _check_positive(self, ("beam", "nbest", "buffer_size"))
+        if self.max_tokens is not None:
+            _check_positive(self, ("max_tokens",))
         _check_non_negative(self, ("max_len_a", "max_len_b", "top_k"))
         if self.nbest > self.beam and not self.sampling:
             raise UsageError(f"--nbest {self.nbest} exceeds --beam {self.beam}; "
                              "raise the beam or lower nbest")
         if self.alpha < 0:
             raise UsageError(f"--alpha must be >= 0, got {self.alpha}")
+        if self.early_stop not in EARLY_STOPS:
+            raise UsageError(f"unknown --early-stop {self.early_stop!r}; choose one of: "
+                             f"{', '.join(EARLY_STOPS)}")
         if self.min_len < 0:
             raise UsageError(f"--min-len must be >= 0, got {self.min_len}")
         if not 0.0 < self.top_p <= 1.0:
             raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.temperature <= 0:
             raise UsageError(f"--temperature must be > 0, got {self.temperature}")
+
+
+# Beam search's stopping rules (nmt.inference.search.EARLY_STOPS, held equal by a test).
+EARLY_STOPS: tuple[str, ...] = ("bound", "beam")
+# Translation batches by device type when --max-tokens is not given. A GPU wants large
+# batches; on a CPU a beam-search step is compute-bound from a few hundred rows on, so a
+# smaller batch costs one worker nothing and lets several workers share a buffer evenly
+# (figures in docs/performance.md).
+MAX_TOKENS_BY_DEVICE: dict[str, int] = {"cpu": 2048, "cuda": 8192}
+MAX_TOKENS_OTHER = 8192
+
+
+def max_tokens_for(device_type: str) -> int:
+    """The default translation batch size (source tokens) on a device of that type."""
+    return MAX_TOKENS_BY_DEVICE.get(device_type, MAX_TOKENS_OTHER)
 
 
 WEIGHTS: tuple[str, ...] = ("auto", "raw", "ema")  # which weights of an --ema-decay checkpoint

@@ -13,8 +13,10 @@ README.md):
     6   checkpoint: unreadable, unsafe, or incompatible checkpoint
     7   training aborted: too many non-finite losses in a row
     8   distributed: a peer process died or timed out
+    9   a translation worker process died (killed, out of memory)
     75  training preempted (SIGTERM or SIGUSR1): saved at the next update; run it again
     130 interrupted (Ctrl-C)
+    143 terminated (SIGTERM) where a command stops cleanly on it (translate)
 """
 
 from __future__ import annotations
@@ -66,6 +68,13 @@ class DistributedError(NmtError):
     """A peer process of a distributed run died or stopped answering."""
 
     exit_code = 8
+
+
+class WorkerDied(NmtError):
+    """A translation worker process (`--workers`) died or did not start; the lines
+    written before its batch are complete and in order."""
+
+    exit_code = 9
 
 
 class Preempted(NmtError):

@@ -78,6 +78,17 @@ def one_thread():
 
 
 @pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-init checkpoint with a real Multi30k BPE vocabulary
+    (tests/helpers/checkpoints.py), made once per session: for tests of the translation
+    plumbing that need a loadable model, not a good one."""
+    from helpers.checkpoints import make_checkpoint, make_vocab
+
+    work = tmp_path_factory.mktemp("tiny-checkpoint")
+    return make_checkpoint(make_vocab(shared_data_path("multi30k"), work), work / "model.pt")
+
+
+@pytest.fixture(scope="session")
 def multi30k_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny model trained briefly on Multi30k (a real, if weak, translation model),
     trained once per session for the exporters' tests."""

@@ -9,7 +9,6 @@ import threading
 from pathlib import Path
 
 import pytest
-from helpers.checkpoints import make_checkpoint, make_vocab
 from helpers.cli import NmtCli, assert_one_line
 
 from nmt.errors import DataError, UsageError
@@ -20,11 +19,8 @@ SHORT_FLAGS = ("--max-len-a", "0", "--max-len-b", "10", "--precision", "fp32")
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from conftest import shared_data_path
-
-    work = tmp_path_factory.mktemp("api")
-    return make_checkpoint(make_vocab(shared_data_path("multi30k"), work), work / "model.pt")
+def ckpt(tiny_checkpoint: Path) -> Path:
+    return tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -325,3 +325,32 @@ def test_row_topk_equals_topk(vocab: int) -> None:
     if vocab > 40:
         x[1, 1, -1] = 5.0  # the maximum in the tail / last block is found
         assert _row_topk(x, 8)[1][1, 1, 0] == vocab - 1
+
+
+def test_early_stop_beam_ends_at_beam_finished_where_bound_searches_on() -> None:
+    """"beam" (fairseq's, CTranslate2's rule) stops once `beam` hypotheses have finished;
+    "bound" (the paper's code) goes on while an unfinished one could still score better,
+    and here finds it: a longer output that the length penalty (alpha 1) favours."""
+    table = {(): {EOS_ID: 0.4, A: 0.6}, (A,): {EOS_ID: 0.3, A: 0.7}, (A, A): {A: 1.0},
+             (A, A, A): {A: 1.0}, (A, A, A, A): {EOS_ID: 1.0}}
+
+    def dist(_sentence: int, prefix: tuple[int, ...]) -> dict[int, float]:
+        return table.get(prefix, {EOS_ID: 1.0})
+
+    found = {}
+    for rule in ("bound", "beam"):
+        decoder = TableDecoder(dist)
+        hyps = run_beam(decoder, torch.tensor([10]), beam=2, alpha=1.0, min_len=0,
+                        early_stop=rule)
+        found[rule] = (hyps[0][0].tokens, decoder.calls)
+    assert found["beam"] == ([], 2)  # EOS at step 0 and (A, EOS) at step 1: two, done
+    assert found["bound"] == ([A, A, A, A], 5)  # log(.42) / (10/6) beats log(.4) / 1
+    with pytest.raises(ValueError, match="early_stop"):
+        run_beam(TableDecoder(dist), torch.tensor([10]), early_stop="soon")
+
+
+def test_the_stopping_rules_are_named_once_for_the_config() -> None:
+    from nmt import config
+    from nmt.inference import search
+
+    assert config.EARLY_STOPS == search.EARLY_STOPS

@@ -115,3 +115,26 @@ def test_a_request_that_went_away_holds_nothing_back() -> None:
         c = batcher.submit(["c"], {}, 1)
         assert c.future.result(timeout=10) == ["C"]
         assert time.monotonic() - start < 1.5  # not held for the 3 s longest wait
+
+
+def test_with_two_workers_two_batches_run_side_by_side() -> None:
+    """A model served by two decoding processes takes a second batch while the first runs
+    (each call waits here until the other has started: one runner thread would time out)."""
+    both = threading.Barrier(2, timeout=10)
+
+    def runner(lines: list[str], _options: dict[str, Any]) -> list[str]:
+        both.wait()
+        return [line.upper() for line in lines]
+
+    batcher = Batcher(runner, 4096, 5.0, 1000, "test", idle_ms=1.0, parallel=2)
+    try:
+        first = batcher.submit(["a"], {}, 1)
+        time.sleep(0.1)  # its batch has started and waits for company
+        second = batcher.submit(["b"], {}, 1)
+        assert first.future.result(timeout=20) == ["A"]
+        assert second.future.result(timeout=20) == ["B"]
+        batcher.delivered(first)
+        batcher.delivered(second)
+    finally:
+        batcher.close()
+    assert all(not thread.is_alive() for thread in batcher._threads)  # close stops them all

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO
-from helpers.checkpoints import make_checkpoint, make_vocab
 from helpers.cli import NmtCli
 
 from nmt.config import DecodeConfig
@@ -25,12 +24,8 @@ FP32 = ("--precision", "fp32")  # for outputs compared with in-process fp32 deco
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from conftest import shared_data_path
-
-    work = tmp_path_factory.mktemp("translate")
-    spm = make_vocab(shared_data_path("multi30k"), work)
-    return make_checkpoint(spm, work / "model.pt")
+def ckpt(tiny_checkpoint: Path) -> Path:
+    return tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -241,24 +241,34 @@ def prefix_tensor(prefixes: Sequence[Sequence[int]] | None, device: torch.device
     return out.to(device)
 
 
+EARLY_STOPS = ("bound", "beam")  # beam_search's stopping rules (see there)
+
+
 def beam_search(decoder: StepDecoder, max_lens: Tensor, *, beam: int, alpha: float,
-                nbest: int, min_len: int, prefix: Tensor | None = None) -> list[list[Hypothesis]]:
+                nbest: int, min_len: int, prefix: Tensor | None = None,
+                early_stop: str = "bound") -> list[list[Hypothesis]]:
     """Batched beam search over B sentences x `beam`; returns up to `nbest` per sentence.
 
     `decoder` holds B rows on entry (one per sentence); it is expanded to B * beam here.
     Each step ranks 2 * beam candidates so that hypotheses ending in EOS never starve the
     beam: EOS candidates among the top `beam` are finished, the best `beam` others go on.
-    A sentence stops when its nbest-th finished score is at least the best any alive
-    hypothesis could still reach, log P_alive / lp(max length) (tensor2tensor's rule; log P
-    only falls and lp only rises), or at its maximum length. Finished sentences leave the
-    batch. If nothing finished (all EOS scores -inf) the best alive hypothesis is returned.
-    EOS is forbidden before `min_len` pieces (unless a sentence's maximum is lower).
+    A sentence stops at its maximum length, or earlier by `early_stop`:
+    - "bound": when its nbest-th finished score is at least the best any alive hypothesis
+      could still reach, log P_alive / lp(max length) (tensor2tensor's rule, the paper's
+      code; log P only falls and lp only rises): the search's own best, found for sure;
+    - "beam": once `beam` hypotheses have finished (fairseq's, CTranslate2's and Marian's
+      rule): fewer steps, and a longer hypothesis that would have scored better is missed.
+    Finished sentences leave the batch. If nothing finished (all EOS scores -inf) the best
+    alive hypothesis is returned. EOS is forbidden before `min_len` pieces (unless a
+    sentence's maximum is lower).
     `prefix` (B, P), PAD-padded piece ids: each sentence's output starts with its prefix
     (teacher-forced, its log-probs counted in the score; see `prefix_tensor`); a sentence's
     `max_lens` must leave room for it.
     """
     if beam < 1 or nbest < 1 or nbest > beam:
         raise ValueError(f"need 1 <= nbest ({nbest}) <= beam ({beam})")
+    if early_stop not in EARLY_STOPS:
+        raise ValueError(f"early_stop must be one of {EARLY_STOPS}, got {early_stop!r}")
     n_sent = max_lens.numel()
     if n_sent == 0:
         return []
@@ -267,7 +277,8 @@ def beam_search(decoder: StepDecoder, max_lens: Tensor, *, beam: int, alpha: flo
     _reserve(decoder, width)
     # The decoder keeps one row per sentence for step 0 (all beams hold the same BOS
     # prefix, so it is computed once) and is expanded to B * beam by step 0's reorder.
-    beams = _Beams.start(max_lens, budgets, beam, nbest, width, alpha, prefix)
+    beams = _Beams.start(max_lens, budgets, beam, nbest, width, alpha, prefix,
+                         count_finished=early_stop == "beam")
     out = _Finished.empty(n_sent, nbest, width, max_lens.device)
     for t in range(width - 1):
         cand = _best_candidates(beams.next_log_probs(decoder, t, min_len), beams.scores)
@@ -333,12 +344,15 @@ class _Beams:
     prefix: Tensor | None = None  # (sentences, P) forced first pieces, PAD = free
     group: Tensor | None = None  # (rows,) decoder group of each row; None: row i is group i
     live: Tensor | None = None  # (rows * beam,) decoder rows fed this step (when grouped)
+    finished: Tensor | None = None  # (rows,) hypotheses finished so far (early_stop "beam")
 
     @classmethod
     def start(cls, max_lens: Tensor, budgets: list[int], beam: int, nbest: int, width: int,
-              alpha: float, prefix: Tensor | None = None) -> _Beams:
+              alpha: float, prefix: Tensor | None = None, count_finished: bool = False
+              ) -> _Beams:
         """Every sentence at BOS, only its first beam alive (all beams are identical);
-        `budgets` is `max_lens` read to the host."""
+        `budgets` is `max_lens` read to the host; `count_finished`: a sentence stops once
+        `beam` hypotheses have finished (see `beam_search`)."""
         device, n_sent = max_lens.device, max_lens.numel()
         tokens = torch.full((n_sent, beam, width), PAD_ID, dtype=torch.long, device=device)
         tokens[:, :, 0] = BOS_ID
@@ -348,7 +362,9 @@ class _Beams:
                    _Finished.empty(n_sent, 1, width, device),
                    torch.arange(n_sent, device=device), max_lens.clone(), list(budgets),
                    _penalties(alpha, width, device), torch.arange(beam, device=device),
-                   n_sent, prefix)
+                   n_sent, prefix,
+                   finished=(torch.zeros(n_sent, dtype=torch.long, device=device)
+                             if count_finished else None))
 
     def next_log_probs(self, decoder: StepDecoder, t: int, min_len: int) -> Tensor:
         """Feed step t's tokens; the restricted log-probs (rows, beam, V) of the next."""
@@ -380,6 +396,8 @@ class _Beams:
         new_logp = cand.score[:, :beam].masked_fill(~fin_ok, NEG_INF)
         new_score = new_logp / self.penalty[t + 1]  # a 0-dim view: nothing leaves the device
         self.fin = self.fin.merge(new_tokens, new_score, new_logp)
+        if self.finished is not None:
+            self.finished += fin_ok.sum(dim=1)
 
     def extend(self, cand: _Candidates, t: int) -> Tensor:
         """The best `beam` non-EOS candidates stay alive; returns the beam (rows, beam) each
@@ -419,7 +437,9 @@ class _Beams:
         # Computed on the device each step, not looked up in `penalty`: a vectorised pow
         # over the rows, as ever, so the bounds stay the same to the last bit.
         bound = self.scores[:, 0] / length_penalty(self.lens + 1, alpha)  # (rows,)
-        done = (self.fin.score[:, -1] >= bound) | ~alive_ok.squeeze(1) | (self.lens <= t)
+        enough = (self.fin.score[:, -1] >= bound if self.finished is None
+                  else self.finished >= self.beam)  # (rows,) early_stop's rule
+        done = enough | ~alive_ok.squeeze(1) | (self.lens <= t)
         done_host: list[bool] = done.tolist()  # the one host sync per step
         n_done = sum(done_host)
         if not n_done:
@@ -434,6 +454,8 @@ class _Beams:
         self.lens_host = [n for n, gone in zip(self.lens_host, done_host, strict=True)
                           if not gone]
         self.tokens, self.fin = self.tokens[keep], self.fin.select(keep)
+        if self.finished is not None:
+            self.finished = self.finished[keep]
         self.fallback = self.fallback.select(keep)
         self.group = keep if self.group is None else self.group[keep]  # (kept,)
         if n_keep <= (1.0 - COMPACT_AT) * self.n_groups:  # compact: drop dead groups

@@ -11,10 +11,15 @@ caller's `warn` callback.
 
 from __future__ import annotations
 
+import collections
 import copy
+import dataclasses
+import itertools
+import select
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack
+from concurrent.futures import Future
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -23,7 +28,7 @@ import numpy as np
 import torch
 
 from nmt.checkpoint import load_model
-from nmt.config import DecodeConfig, RuntimeConfig
+from nmt.config import DecodeConfig, RuntimeConfig, max_tokens_for
 from nmt.data.batching import batch_by_tokens
 from nmt.data.vocab import Vocab
 from nmt.device import resolve_device
@@ -42,6 +47,7 @@ from nmt.inference.search import (
     regroup,
     sample_decode,
 )
+from nmt.inference.workers import WorkerPool, fork_safe_threads
 from nmt.precision import resolve_precision
 from nmt.special_ids import EOS_ID, PAD_ID
 
@@ -84,13 +90,15 @@ class Translator:
         self.precision = precision or next(
             (name for name, d in _DTYPES.items() if d == dtype), str(dtype))
         self.vocab = vocab
-        self.cfg = cfg
         self.device = device
+        self.cfg = self._resolved(cfg)
         # Decoder positions 0..max_len are used (BOS + max_len pieces), the encoder's
         # 0..len (pieces + EOS): both must stay below every model's max_positions.
         self.max_positions = min(m.cfg.max_positions for m in self.models)
         self.max_src_len = self.source_limit(max_src_len)
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.seeds = SeedSequence(seed)  # per-batch sampling seeds, shared by configured copies
+        self.pool: WorkerPool | None = None  # worker processes (`load(..., workers=N)`)
         # One per model, for as long as this translator lives: each batch's decoder reuses
         # the memory the previous batch's left (and the packed output projection).
         projections = list(projections) if projections else [None] * len(self.models)
@@ -111,20 +119,92 @@ class Translator:
         """This translator with other search settings: a shallow copy sharing the models,
         their workspaces and the sampling generator, so use one of the two at a time."""
         other = copy.copy(self)
-        other.cfg, other.max_src_len = cfg, self.source_limit(max_src_len, name)
+        other.cfg, other.max_src_len = self._resolved(cfg), self.source_limit(max_src_len, name)
         return other
+
+    def _resolved(self, cfg: DecodeConfig) -> DecodeConfig:
+        """`cfg` with its batch size chosen for this device when it leaves it open."""
+        if cfg.max_tokens is not None:
+            return cfg
+        return dataclasses.replace(cfg, max_tokens=max_tokens_for(self.device.type))
+
+    @property
+    def max_tokens(self) -> int:
+        """Source tokens per batch (resolved: never None)."""
+        assert self.cfg.max_tokens is not None
+        return self.cfg.max_tokens
+
+    def __enter__(self) -> Translator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the worker processes, if any (idempotent); the translator then decodes in
+        this process."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+    def terminate(self) -> None:
+        """Stop the worker processes at once (Ctrl-C, SIGTERM): running batches fail."""
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool = None
+
+    @property
+    def workers(self) -> int:
+        """Processes decoding in parallel (1: this one)."""
+        return 1 if self.pool is None else self.pool.workers
+
+    def submit(self, sources: Sequence[Sequence[int]],
+               prefixes: Sequence[Sequence[int]] | None = None, seed: int | None = None
+               ) -> Future:
+        """`translate_ids` as a future: run by a free worker process, or here and now
+        when there are none (the future is then already done)."""
+        if self.pool is not None:
+            return self.pool.submit(self.cfg, sources, prefixes, seed)
+        future: Future = Future()
+        try:
+            future.set_result(self.translate_ids(sources, prefixes, seed=seed))
+        except Exception as err:  # delivered by result(), as from a worker
+            future.set_exception(err)
+        return future
 
     @classmethod
     def load(cls, paths: Sequence[Path], cfg: DecodeConfig, device: str = _R.device,
              precision: str = _R.precision, max_src_len: int | None = None,
-             seed: int = _R.seed, weights: str = _R.weights) -> Translator:
+             seed: int = _R.seed, weights: str = _R.weights, workers: int = 1,
+             threads: int = 1) -> Translator:
         """Load checkpoints safely (weights_only); an ensemble must share one vocabulary.
         `weights`: auto (a checkpoint's EMA weights where it has them), raw or ema (the
-        choices and defaults: nmt.config.RuntimeConfig, which checks them)."""
+        choices and defaults: nmt.config.RuntimeConfig, which checks them).
+
+        `workers` > 1 (CPU only) forks that many worker processes of `threads` torch
+        threads each, sharing the loaded weights (nmt/inference/workers.py); close the
+        translator (or use it as a context manager) to stop them."""
         if not paths:
             raise UsageError("no model given; pass -m MODEL (repeat it for an ensemble)")
         RuntimeConfig(device=device, precision=precision, weights=weights, seed=seed)
+        if workers < 1 or threads < 1:
+            raise UsageError(f"--workers and --threads-per-worker must be >= 1, got {workers} "
+                             f"and {threads}")
         dev = resolve_device(device)
+        if workers > 1 and dev.type != "cpu":
+            raise UsageError(f"--workers {workers}: worker processes decode on the CPU; on "
+                             f"{dev.type} use one worker")
+        with fork_safe_threads() if workers > 1 else nullcontext():
+            engine = cls._load(paths, cfg, dev, precision, max_src_len, seed, weights)
+            if workers > 1:
+                engine.pool = WorkerPool(engine, workers, threads)
+        return engine
+
+    @classmethod
+    def _load(cls, paths: Sequence[Path], cfg: DecodeConfig, dev: torch.device,
+              precision: str, max_src_len: int | None, seed: int, weights: str
+              ) -> Translator:
+        """`load` in this process (see there)."""
         if dev.type == "cpu":
             size_onednn_cache(INFERENCE_ONEDNN_CACHE)  # before the first oneDNN primitive
             keep_freed_memory()  # per-step activations reuse pages instead of re-faulting
@@ -148,11 +228,14 @@ class Translator:
         return cls(models, vocab, cfg, dev, max_src_len, seed, projections, precision)
 
     def translate_ids(self, sources: Sequence[Sequence[int]],
-                      prefixes: Sequence[Sequence[int]] | None = None
-                      ) -> list[list[Hypothesis]]:
+                      prefixes: Sequence[Sequence[int]] | None = None, *,
+                      seed: int | None = None) -> list[list[Hypothesis]]:
         """Search for each source (piece ids without EOS); one list of hypotheses each.
         `prefixes`, one per source (empty: none), are piece ids each output must start
-        with (teacher-forced, counted in the scores); the length limit grows to fit them."""
+        with (teacher-forced, counted in the scores); the length limit grows to fit them.
+        `seed` restarts the sampling generator first (None: it goes on)."""
+        if seed is not None:
+            self.generator.manual_seed(seed)
         width = max(len(s) for s in sources) + 1
         src = torch.full((len(sources), width), PAD_ID, dtype=torch.long)
         for row, ids in enumerate(sources):
@@ -174,7 +257,8 @@ class Translator:
                                            for w in self.workspaces])
             if not cfg.sampling:
                 return beam_search(decoder, max_lens, beam=cfg.beam, alpha=cfg.alpha,
-                                   nbest=cfg.nbest, min_len=cfg.min_len, prefix=prefix)
+                                   nbest=cfg.nbest, min_len=cfg.min_len, prefix=prefix,
+                                   early_stop=cfg.early_stop)
             rows = torch.arange(len(sources), device=self.device).repeat_interleave(cfg.nbest)
             # (batch * nbest,): independent samples, each sentence's nbest rows one group
             regroup(decoder, rows, cfg.nbest, None)  # the layout told: the cache reads none
@@ -186,11 +270,83 @@ class Translator:
                 for i in range(len(sources))]
 
 
+class SeedSequence:
+    """The sampling seed of each batch, in the order batches are formed: batch k of a
+    sequence started with seed s samples from a generator seeded with a number made of
+    (s, k). Where a batch runs (which worker, in which order) then changes nothing."""
+
+    def __init__(self, seed: int) -> None:
+        self.restart(seed)
+
+    def restart(self, seed: int) -> None:
+        """Start again from batch 0 of `seed`."""
+        self._seed, self._count = seed, itertools.count()
+
+    def next(self) -> int:
+        """The next batch's seed (a non-negative 63-bit number)."""
+        return (self._seed * 1_000_003 + next(self._count)) % (1 << 63)
+
+
 def read_lines(source: BinaryIO) -> Iterator[bytes]:
     """Raw lines split on b"\\n" only (the newline removed); a last line without a final
     newline is still a line. Reads as it goes, so a terminal gets line-by-line service."""
     for raw in iter(source.readline, b""):
         yield raw[:-1] if raw.endswith(b"\n") else raw
+
+
+class LineReader:
+    """`read_lines` that can also say whether the next line is there already (`ready`),
+    so that a translator with workers runs ahead while input keeps coming and answers
+    before it would wait for more (a program that writes a line and reads its translation
+    must get it). Reads with `read1` (what is there, up to 64 KiB) and checks the file
+    descriptor with select(); a source without one (BytesIO) is always ready."""
+
+    CHUNK = 1 << 16
+
+    def __init__(self, source: BinaryIO) -> None:
+        self._read = getattr(source, "read1", None) or source.read
+        try:
+            self._fd: int | None = source.fileno()
+        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation included
+            self._fd = None
+        self._buffer = bytearray()
+        self._start = 0  # the next line begins here; what is before was handed out
+        self._eof = False
+
+    def ready(self) -> bool:
+        """Whether reading the next line would not wait for input (at the end: True)."""
+        if self._eof or self._fd is None or self._buffer.find(b"\n", self._start) >= 0:
+            return True
+        try:
+            return bool(select.select([self._fd], [], [], 0)[0])
+        except (OSError, ValueError):  # not selectable: do not run ahead of it
+            return False
+
+    def __iter__(self) -> Iterator[bytes]:
+        scan = 0  # no newline in the buffer between _start and here
+        while True:
+            end = self._buffer.find(b"\n", max(scan, self._start))
+            if end < 0 and not self._eof:
+                scan = len(self._buffer)
+                if self._start:  # drop what was handed out before reading more
+                    del self._buffer[:self._start]
+                    scan -= self._start
+                    self._start = 0
+                chunk = self._read(self.CHUNK)
+                if chunk:
+                    self._buffer += chunk
+                else:
+                    self._eof = True
+                continue
+            if end < 0:  # the end: a last line without a newline is still a line
+                if self._start < len(self._buffer):
+                    yield bytes(self._buffer[self._start:])
+                self._buffer.clear()
+                self._start = 0
+                return
+            line = bytes(self._buffer[self._start:end])
+            self._start = end + 1
+            yield line
 
 
 def decode_line(raw: bytes, line_no: int, errors: str, source_name: str) -> str:
@@ -237,33 +393,75 @@ def translate_stream(source: BinaryIO, sink: BinaryIO, translator: Translator, *
 
     `observe`, when given, is called for each translated (non-empty) line with its 1-based
     number, the source ids as translated (after truncation) and the best hypothesis, before
-    that buffer's output is written (`--attention` draws its maps from it)."""
+    that buffer's output is written (`--attention` draws its maps from it).
+
+    With worker processes (`translator.pool`), the next buffer is read and its batches are
+    queued while the workers finish the current one, so they never wait for the reader;
+    the output is the same, written buffer by buffer in input order. If the translation
+    stops (an error, Ctrl-C, SIGTERM), every buffer finished before is written first."""
     RuntimeConfig(errors=errors)  # a known mode, or UsageError
     size = 1 if interactive else (buffer_size or translator.cfg.buffer_size)
+    # Buffers in flight beyond the one being written: one when workers can run ahead.
+    ahead = 0 if interactive or translator.pool is None else 1
     stats = TranslateStats()
     start = time.perf_counter()
     buffer: list[tuple[int, bytes]] = []
+    pending: collections.deque[_PendingBuffer] = collections.deque()
+    reader = LineReader(source)
     prefix_lines = None if prefix_source is None else read_lines(prefix_source)
     prefixes: list[str | None] | None = None if prefix_lines is None else []
     line_no = 0
-    for line_no, raw in enumerate(read_lines(source), start=1):
-        buffer.append((line_no, raw))
-        if prefix_lines is not None and prefixes is not None:
-            prefix = next(prefix_lines, None)
-            if prefix is None:
-                raise DataError(f"{prefix_name}: has {line_no - 1} lines, fewer than "
-                                f"{source_name}; give one prefix line per input line")
-            prefixes.append(decode_line(prefix, line_no, errors, prefix_name))
-        if len(buffer) >= size:
-            _translate_buffer(buffer, sink, translator, errors, source_name, warn, stats,
-                              observe, prefixes)
-            buffer, prefixes = [], None if prefixes is None else []
-    if buffer:
-        _translate_buffer(buffer, sink, translator, errors, source_name, warn, stats,
-                          observe, prefixes)
-    if prefix_lines is not None and next(prefix_lines, None) is not None:
-        raise DataError(f"{prefix_name}: has more lines than the {line_no} of {source_name}; "
-                        "give one prefix line per input line")
+
+    broken = False  # a buffer's batch failed: nothing after it may be written
+
+    def write_next() -> None:
+        nonlocal broken
+        head = pending.popleft()
+        try:
+            head.write(sink, translator.cfg.nbest, stats, observe)
+        except BaseException:
+            broken = True
+            raise
+
+    def start_buffer() -> None:
+        texts = [decode_line(raw, n, errors, source_name) for n, raw in buffer]
+        numbers = [n for n, _ in buffer]
+        pending.append(_PendingBuffer(numbers, start_texts(
+            translator, texts, prefixes=prefixes, line_numbers=numbers,
+            source_name=source_name, warn=warn)))
+        while len(pending) > ahead or (pending and not reader.ready()):
+            write_next()  # before waiting for input, answer what came in
+
+    try:
+        for line_no, raw in enumerate(reader, start=1):
+            buffer.append((line_no, raw))
+            if prefix_lines is not None and prefixes is not None:
+                prefix = next(prefix_lines, None)
+                if prefix is None:
+                    raise DataError(f"{prefix_name}: has {line_no - 1} lines, fewer than "
+                                    f"{source_name}; give one prefix line per input line")
+                prefixes.append(decode_line(prefix, line_no, errors, prefix_name))
+            if len(buffer) >= size:
+                start_buffer()
+                buffer, prefixes = [], None if prefixes is None else []
+        if buffer:
+            start_buffer()
+        if prefix_lines is not None and next(prefix_lines, None) is not None:
+            raise DataError(f"{prefix_name}: has more lines than the {line_no} of "
+                            f"{source_name}; give one prefix line per input line")
+        while pending:
+            write_next()
+    except BaseException as err:
+        # What was translated before the stop is not lost: an error of the input waits
+        # for the buffers before it (as one process would have written them already); an
+        # interrupt writes those already finished.
+        finish = isinstance(err, Exception)
+        while not broken and pending and (finish or pending[0].done()):
+            try:
+                write_next()
+            except BaseException:
+                break
+        raise
     stats.seconds = time.perf_counter() - start
     return stats
 
@@ -291,6 +489,47 @@ def translate_texts(translator: Translator, texts: Sequence[str], *,
     `prefixes`, one per text (None or "" for none): the output must start with that text
     (see `Translator.translate_ids`). `line_numbers` (1-based) name lines in warnings.
     """
+    return start_texts(translator, texts, prefixes=prefixes, line_numbers=line_numbers,
+                       source_name=source_name, warn=warn).result()
+
+
+class PendingTexts:
+    """The batches of one buffer of texts, queued (`start_texts`); `result()` waits for
+    them and detokenizes."""
+
+    def __init__(self, translator: Translator, count: int, sources: list[list[int]],
+                 owners: list[int], futures: list[tuple[list[int], Future]]) -> None:
+        self._translator, self._count = translator, count
+        self._sources, self._owners, self._futures = sources, owners, futures
+
+    def done(self) -> bool:
+        """Whether every batch has finished (successfully or not)."""
+        return all(future.done() for _, future in self._futures)
+
+    def result(self) -> list[Translation]:
+        """The translations, one per text, in order (waits for the batches; re-raises the
+        first batch's error, in batch order)."""
+        results: list[list[Hypothesis]] = [[] for _ in range(self._count)]
+        for batch, future in self._futures:
+            for j, sent_hyps in zip(batch, future.result(), strict=True):
+                results[self._owners[j]] = sent_hyps
+        # One sentencepiece call for the whole buffer, on this thread (its thread pool
+        # costs about a millisecond per call: more than decoding a sentence).
+        outputs = iter(self._translator.vocab.decode(
+            [h.tokens for hyps in results for h in hyps], num_threads=1))
+        source_of = dict(zip(self._owners, self._sources, strict=True))
+        return [Translation(hyps, [sanitize(next(outputs)) for _ in hyps], source_of.get(i, []))
+                for i, hyps in enumerate(results)]
+
+
+def start_texts(translator: Translator, texts: Sequence[str], *,
+                prefixes: Sequence[str | None] | None = None,
+                line_numbers: Sequence[int] | None = None, source_name: str = "<input>",
+                warn: Callable[[str], None] = lambda _msg: None) -> PendingTexts:
+    """`translate_texts` up to the search: encode, truncate, batch, and hand the batches to
+    the translator (its workers, or here and now); the longest sentences' batches go
+    first, so the last to finish are short. Sampling seeds follow the batches' order by
+    length (see `SeedSequence`), so no result depends on where or when a batch ran."""
     numbers = list(line_numbers) if line_numbers is not None else range(1, len(texts) + 1)
     nonempty = [i for i, text in enumerate(texts) if text]
     encoded = translator.vocab.encode([texts[i] for i in nonempty]) if nonempty else []
@@ -312,42 +551,44 @@ def translate_texts(translator: Translator, texts: Sequence[str], *,
             ids = ids[:limit]
         sources.append(ids)
         owners.append(i)
-    results: list[list[Hypothesis]] = [[] for _ in texts]
-    for batch in source_batches([len(s) for s in sources], translator.cfg.max_tokens):
+    batches = source_batches([len(s) for s in sources], translator.max_tokens)
+    seeds = [translator.seeds.next() if translator.cfg.sampling else None for _ in batches]
+    futures: list[tuple[list[int], Future]] = []
+    for batch, seed in reversed(list(zip(batches, seeds, strict=True))):  # longest first
         batch_prefixes = ([prefix_ids.get(owners[j], []) for j in batch] if prefix_ids
                           else None)
-        hyps = translator.translate_ids([sources[j] for j in batch], batch_prefixes)
-        for j, sent_hyps in zip(batch, hyps, strict=True):
-            results[owners[j]] = sent_hyps
-    # One sentencepiece call for the whole buffer, on this thread (its thread pool costs
-    # about a millisecond per call: more than decoding a sentence).
-    outputs = iter(translator.vocab.decode(
-        [h.tokens for hyps in results for h in hyps], num_threads=1))
-    source_of = dict(zip(owners, sources, strict=True))
-    return [Translation(hyps, [sanitize(next(outputs)) for _ in hyps], source_of.get(i, []))
-            for i, hyps in enumerate(results)]
+        future = translator.submit([sources[j] for j in batch], batch_prefixes, seed)
+        futures.append((batch, future))
+    futures.reverse()  # batch order: the first error raised is the first batch's
+    return PendingTexts(translator, len(texts), sources, owners, futures)
 
 
-def _translate_buffer(buffer: list[tuple[int, bytes]], sink: BinaryIO, translator: Translator,
-                      errors: str, source_name: str, warn: Callable[[str], None],
-                      stats: TranslateStats, observe: Observer | None = None,
-                      prefixes: Sequence[str | None] | None = None) -> None:
-    """Decode, translate and write one buffer of lines in input order."""
-    texts = [decode_line(raw, n, errors, source_name) for n, raw in buffer]
-    results = translate_texts(translator, texts, prefixes=prefixes,
-                              line_numbers=[n for n, _ in buffer], source_name=source_name,
-                              warn=warn)
-    if observe is not None:
-        for (line_no, _), result in zip(buffer, results, strict=True):
-            if result.hypotheses:
-                observe(line_no, result.source_ids, result.hypotheses[0])
-    lines = [_format(line_no - 1, r.hypotheses, r.texts, translator.cfg.nbest)
-             for (line_no, _), r in zip(buffer, results, strict=True)]
-    sink.write("".join(lines).encode("utf-8", errors="replace"))
-    sink.flush()
-    stats.sentences += len(buffer)
-    stats.src_tokens += sum(len(r.source_ids) + 1 for r in results if r.source_ids)
-    stats.tgt_tokens += sum(len(r.hypotheses[0].tokens) + 1 for r in results if r.hypotheses)
+@dataclass
+class _PendingBuffer:
+    """One buffer of `nmt translate`'s input on its way: its line numbers and batches."""
+
+    numbers: list[int]
+    texts: PendingTexts
+
+    def done(self) -> bool:
+        return self.texts.done()
+
+    def write(self, sink: BinaryIO, nbest: int, stats: TranslateStats,
+              observe: Observer | None) -> None:
+        """Wait for the buffer, then write its lines in input order and flush."""
+        results = self.texts.result()
+        if observe is not None:
+            for line_no, result in zip(self.numbers, results, strict=True):
+                if result.hypotheses:
+                    observe(line_no, result.source_ids, result.hypotheses[0])
+        lines = [_format(line_no - 1, r.hypotheses, r.texts, nbest)
+                 for line_no, r in zip(self.numbers, results, strict=True)]
+        sink.write("".join(lines).encode("utf-8", errors="replace"))
+        sink.flush()
+        stats.sentences += len(self.numbers)
+        stats.src_tokens += sum(len(r.source_ids) + 1 for r in results if r.source_ids)
+        stats.tgt_tokens += sum(len(r.hypotheses[0].tokens) + 1 for r in results
+                                if r.hypotheses)
 
 
 def _format(index: int, hyps: list[Hypothesis], texts: list[str], nbest: int) -> str:

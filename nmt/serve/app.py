@@ -40,7 +40,7 @@ _D = DecodeConfig()
 # Native /v1/translate options: the Python API's keywords, with the JSON type each takes.
 OPTION_TYPES: dict[str, tuple[type, ...]] = {
     "beam": (int,), "alpha": (int, float), "nbest": (int,), "return_scores": (bool,),
-    "max_len_a": (int, float), "max_len_b": (int,), "min_len": (int,),
+    "max_len_a": (int, float), "max_len_b": (int,), "min_len": (int,), "early_stop": (str,),
     "sampling": (bool,), "temperature": (int, float), "top_k": (int,),
     "top_p": (int, float), "seed": (int,), "target_prefix": (list,),
 }
@@ -71,8 +71,9 @@ def build_app(models: Sequence[ServedModel], limits: Limits, api_keys: Sequence[
     @asynccontextmanager
     async def lifespan(_app: Starlette):
         yield
-        for model in state.models:  # shutdown: finish what is queued
+        for model in state.models:  # shutdown: finish what is queued, stop the workers
             await asyncio.to_thread(model.batcher.close)
+            await asyncio.to_thread(model.translator.close)
 
     routes = [
         Route("/translate", _guard(state, state.libre_translate), methods=["POST"]),

@@ -1,12 +1,14 @@
 """Batching across requests: lines from concurrent requests share the model's batches.
 
-One worker thread per served model takes every job queued and translates each group of
-jobs with the same decoding options in one call of the Python API (which sorts the lines
-by length and batches them by tokens, as `nmt translate` does). Each job's lines come back
-to it in order. A sentence's translation does not depend on the other lines of its batch
-(tested: tests/test_decoding.py, tests/test_serve.py), so a request gets what it would
-alone, only sooner under load. The queue is bounded in lines: a full one refuses new jobs
-(QueueFull; the server answers 503 with Retry-After) instead of growing without limit.
+A worker thread per served model (one per decoding process when the model has several,
+so that batches of concurrent requests run side by side) takes every job queued and
+translates each group of jobs with the same decoding options in one call of the Python
+API (which sorts the lines by length and batches them by tokens, as `nmt translate`
+does). Each job's lines come back to it in order. A sentence's translation does not
+depend on the other lines of its batch (tested: tests/test_decoding.py,
+tests/test_serve.py), so a request gets what it would alone, only sooner under load. The
+queue is bounded in lines: a full one refuses new jobs (QueueFull; the server answers 503
+with Retry-After) instead of growing without limit.
 
 When a batch starts: as soon as no request has come for `idle_ms` (a lone request waits
 only that long), but not while the previous batch's results are still being handed to
@@ -61,10 +63,12 @@ Runner = Callable[[list[str], dict[str, Any]], list[Any]]
 
 
 class Batcher:
-    """A worker thread that runs `runner` over batches of queued jobs."""
+    """`parallel` worker threads that run `runner` over batches of queued jobs, one batch
+    each at a time; one of them forms a batch at a time."""
 
     def __init__(self, runner: Runner, max_batch_tokens: int, max_wait_ms: float,
-                 max_queue_lines: int, name: str = "model", idle_ms: float = 3.0) -> None:
+                 max_queue_lines: int, name: str = "model", idle_ms: float = 3.0,
+                 parallel: int = 1) -> None:
         self.runner = runner
         self.max_batch_tokens = max_batch_tokens
         self.max_wait = max_wait_ms / 1000.0
@@ -76,9 +80,11 @@ class Batcher:
         self._queued_lines = 0
         self._handing = 0  # jobs whose results are set and not yet delivered
         self._held: Job | None = None  # taken from the queue but over this batch's budget
-        self._thread = threading.Thread(target=self._work, name=f"nmt-serve-{name}",
-                                        daemon=True)
-        self._thread.start()
+        self._forming = threading.Lock()  # one thread forms a batch at a time
+        self._threads = [threading.Thread(target=self._work, name=f"nmt-serve-{name}-{i}",
+                                          daemon=True) for i in range(max(parallel, 1))]
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, lines: list[str], options: dict[str, Any], tokens: int) -> Job:
         """Queue `lines` (a request's, in order) with their decoding `options`; the job's
@@ -109,13 +115,16 @@ class Batcher:
             return self._queued_lines
 
     def close(self, timeout: float = 30.0) -> None:
-        """Finish every queued job, then stop the worker."""
+        """Finish every queued job, then stop the worker threads."""
         self._queue.put(None)
-        self._thread.join(timeout)
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(deadline - time.monotonic(), 0.0))
 
     def _work(self) -> None:
         while True:
-            jobs = self._collect()
+            with self._forming:
+                jobs = self._collect()
             if jobs is None:
                 return
             groups: dict[Hashable, list[Job]] = {}
@@ -131,6 +140,7 @@ class Batcher:
         first = self._held or self._queue.get()
         self._held = None
         if first is None:
+            self._queue.put(None)  # for the other worker threads
             return None
         jobs, tokens = [first], first.tokens
         deadline = time.monotonic() + self.max_wait

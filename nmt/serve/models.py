@@ -71,14 +71,16 @@ def parse_model_spec(spec: str) -> tuple[str | None, Path]:
 
 
 def load_models(specs: Sequence[str], limits: Limits, device: str, precision: str,
-                threads: int | None) -> list[ServedModel]:
+                threads: int | None, workers: int = 1) -> list[ServedModel]:
     """Load every `-m` spec; a model's pair comes from its checkpoint, or from a NAME
-    spelled SRC-TGT (e.g. `-m en-de=model.pt`) for a model that records none."""
+    spelled SRC-TGT (e.g. `-m en-de=model.pt`) for a model that records none. Each model
+    gets `workers` decoding processes (`threads` torch threads each; see Translator.load)
+    and as many batches in flight."""
     served: list[ServedModel] = []
     for spec in specs:
         name, path = parse_model_spec(spec)
         translator = Translator.load(path, device=device, precision=precision,
-                                     threads=threads)
+                                     threads=threads, workers=workers)
         source, target = translator.languages
         if not (source and target):
             pair = (name or "").split("-")
@@ -91,7 +93,8 @@ def load_models(specs: Sequence[str], limits: Limits, device: str, precision: st
         if any(m.name == name for m in served):
             raise UsageError(f"two models named {name!r}; name them: -m NAME=MODEL")
         batcher = Batcher(_runner(translator), limits.max_batch_tokens, limits.max_wait_ms,
-                          limits.max_queue_lines, name, idle_ms=limits.idle_ms)
+                          limits.max_queue_lines, name, idle_ms=limits.idle_ms,
+                          parallel=translator.workers)
         served.append(ServedModel(name, source, target, translator, batcher))
     return served
 
