@@ -1,7 +1,8 @@
 """`nmt serve` under load: sentences/s and latency at several concurrencies, next to
 `nmt translate` on the same lines, model and threads.
 
-Starts `nmt serve -m en-de=CHECKPOINT --threads T` on a free loopback port, then for each
+Starts `nmt serve -m en-de=CHECKPOINT --workers W --threads T` on a free loopback port
+(each W of --workers in turn, within every round), then for each
 request size (1 and 20 lines) and concurrency (1, 8, 32) sends --requests requests of
 consecutive Multi30k test2016 lines (LibreTranslate's POST /translate, JSON), from that many
 client threads, and records every request's latency. The baselines, measured right after
@@ -15,6 +16,9 @@ at concurrency 1 a 1-line request's p50 latency <= its translate time + 15 ms.
 
 `--rounds` (default 3) repeats every cell and baseline; each ratio is taken within a round
 and the medians are reported: on a shared VM the speed drifts by 10-20 % over minutes.
+With several --workers values (e.g. 1,2), each cell of the largest is also divided by the
+same cell of the smallest, round by round (issue 32: 2 workers >= 1.6x one at 20 lines x
+32, a lone 1-line request no slower).
 
 The clients run on the same machine as the server (HTTP and JSON in Python cost CPU there
 too): on a 2-core machine that is part of what is measured. Name the CPU beside figures.
@@ -80,26 +84,30 @@ def load_cell(url: str, lines: list[str], size: int, concurrency: int, requests:
             "p95_ms": percentile(ms, 95), "p99_ms": percentile(ms, 99)}
 
 
-def translate_file(checkpoint: Path, lines: list[str], threads: int,
+def translate_file(checkpoint: Path, lines: list[str], threads: int, workers: int = 1,
                    buffer_size: int | None = None) -> float:
-    """`nmt translate --stats` sentences/s on `lines` (its translation time); with
-    `buffer_size`, only that many lines are read ahead, sorted and batched at a time: the
-    engine with as many sentences in flight as a server load that keeps that many."""
+    """`nmt translate --stats` sentences/s on `lines` (its translation time) with `workers`
+    processes of `threads` threads; with `buffer_size`, only that many lines are read
+    ahead, sorted and batched at a time: the engine with as many sentences in flight as a
+    server load that keeps that many."""
     extra = ["--buffer-size", str(buffer_size)] if buffer_size else []
     done = subprocess.run([sys.executable, "-m", "cli.main", "translate", "-m", str(checkpoint),
-                           "--stats", *extra], input="\n".join(lines) + "\n",
+                           "--stats", "--workers", str(workers), "--threads-per-worker",
+                           str(threads), *extra], input="\n".join(lines) + "\n",
                           capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, "OMP_NUM_THREADS": str(threads)}, check=True)
     summary = [line for line in done.stderr.splitlines() if "sentences/s" in line][-1]
     return float(summary.split("sentences/s")[0].split(":")[-1].strip().split()[-1])
 
 
-def per_line_ms(checkpoint: Path, lines: list[str], threads: int) -> float:
-    """Median time of translating one line alone through the Python API."""
+def per_line_ms(checkpoint: Path, lines: list[str], threads: int, workers: int = 1) -> float:
+    """Median time of translating one line alone through the Python API (with `workers`
+    processes of `threads` threads)."""
     code = ("import json,sys,time,torch\n"
             f"torch.set_num_threads({threads})\n"
             "from nmt import Translator\n"
-            f"t = Translator.load({str(checkpoint)!r}, quiet=True)\n"
+            f"t = Translator.load({str(checkpoint)!r}, quiet=True, workers={workers}, "
+            f"threads={threads})\n"
             "lines = json.loads(sys.stdin.read())\n"
             "t.translate(lines[:5])\n"
             "times = []\n"
@@ -130,14 +138,15 @@ def in_flight_of(cell: dict) -> int:
     return cell["lines"] * cell["concurrency"]
 
 
-def start_server(opts: argparse.Namespace, lines: list[str]
+def start_server(opts: argparse.Namespace, lines: list[str], workers: int
                  ) -> tuple[subprocess.Popen, str]:
     """`nmt serve` on a free loopback port, ready and warmed up by one request."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
         [sys.executable, "-m", "cli.main", "serve", "-m", f"en-de={opts.checkpoint}",
-         "--port", str(port), "--threads", str(opts.threads), "--max-lines", "64"],
+         "--port", str(port), "--threads", str(opts.threads), "--workers", str(workers),
+         "--max-lines", "64"],
         cwd=REPO, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     for _ in range(600):
         try:
@@ -156,7 +165,7 @@ def stop_server(server: subprocess.Popen) -> None:
     server.wait(120)
 
 
-def run_round(opts: argparse.Namespace, lines: list[str]) -> dict[str, object]:
+def run_round(opts: argparse.Namespace, lines: list[str], workers: int) -> dict[str, object]:
     """A fresh server through every cell, then, with the server stopped, the baselines
     (measured on this VM: a live server holding the memory of large batches, about 3 GB,
     slowed `nmt translate` beside it from about 190 to 135 sentences/s, and so did a plain
@@ -164,7 +173,7 @@ def run_round(opts: argparse.Namespace, lines: list[str]) -> dict[str, object]:
     concurrency-32 cell's sentences in flight as its buffer, and one line alone through
     the Python API. The last cell repeats the first (1 line alone) after the load."""
     cells = []
-    server, url = start_server(opts, lines)
+    server, url = start_server(opts, lines, workers)
     try:
         for size, concurrency in [(1, 1), (1, 8), (1, 32), (20, 1), (20, 8), (20, 32), (1, 1)]:
             # At least 5 rounds of the clients: one round at concurrency 32 is a batch or
@@ -184,11 +193,12 @@ def run_round(opts: argparse.Namespace, lines: list[str]) -> dict[str, object]:
     finally:
         stop_server(server)
     sample = lines[:100] if opts.smoke else lines
-    file_rate = translate_file(opts.checkpoint, sample, opts.threads)
+    file_rate = translate_file(opts.checkpoint, sample, opts.threads, workers)
     in_flight = {in_flight_of(c): translate_file(opts.checkpoint, sample, opts.threads,
-                                                 buffer_size=in_flight_of(c))
+                                                 workers, buffer_size=in_flight_of(c))
                  for c in cells if c["concurrency"] == 32}
-    alone_ms = per_line_ms(opts.checkpoint, lines[:20 if opts.smoke else 200], opts.threads)
+    alone_ms = per_line_ms(opts.checkpoint, lines[:20 if opts.smoke else 200], opts.threads,
+                           workers)
     print(f"nmt translate: file {file_rate:.1f} sentences/s; "
           + "; ".join(f"--buffer-size {n}: {rate:.1f}/s" for n, rate in in_flight.items())
           + f"; one line alone: {alone_ms:.1f} ms (median)", flush=True)
@@ -235,7 +245,10 @@ def summarise(rounds: list[dict]) -> dict[str, object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", type=Path, required=True)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="Torch threads per worker.")
+    parser.add_argument("--workers", default="1",
+                        help="Comma list of worker counts; each gets its own server per round "
+                             "(e.g. 1,2: the second is compared with the first).")
     parser.add_argument("--requests", type=int, default=0,
                         help="Requests per cell (default: 200 of 1 line, 40 of 20 lines, "
                         "at least 5 per client).")
@@ -246,13 +259,27 @@ def main() -> None:
     if opts.smoke:
         opts.rounds = 1
     lines = [line for line in TEST_EN.read_text(encoding="utf-8").split("\n") if line]
-    rounds = []
+    counts = [int(w) for w in opts.workers.split(",")]
+    rounds: dict[int, list[dict]] = {w: [] for w in counts}
     for index in range(opts.rounds):
-        print(f"round {index + 1} of {opts.rounds}", flush=True)
-        rounds.append(run_round(opts, lines))
-    summary = summarise(rounds)
+        for workers in counts:  # interleaved: every count once per round
+            print(f"round {index + 1} of {opts.rounds}, {workers} worker(s)", flush=True)
+            rounds[workers].append(run_round(opts, lines, workers))
+    report: dict[str, object] = {"bench": "serve_load", "cpu": cpu_name(),
+                                 "threads": opts.threads, "checkpoint": str(opts.checkpoint)}
+    for workers in counts:
+        summary = summarise(rounds[workers])
+        report[f"workers_{workers}"] = {"rounds": rounds[workers], **summary}
+        print_summary(summary, workers, opts.rounds)
+    if len(counts) > 1:
+        report["scaling"] = scaling(rounds[counts[0]], rounds[counts[-1]], counts)
+    print(json.dumps(report))
+
+
+def print_summary(summary: dict, workers: int, count: int) -> None:
+    """The medians of one worker count's rounds and its targets against nmt translate."""
     ratios = summary["ratios"]
-    print(f"medians of {opts.rounds} round(s):")
+    print(f"{workers} worker(s), medians of {count} round(s):")
     for cell in summary["cells"]:
         print(f"{cell['lines']:>2} lines x {cell['concurrency']:>2} concurrent: "
               f"{cell['sentences_per_s']:7.1f} sentences/s, p50 {cell['p50_ms']:7.1f} ms, "
@@ -269,8 +296,25 @@ def main() -> None:
     print(f"target 2: a lone 1-line request's p50 is {extra:+.1f} ms over its translate time "
           f"(goal <= +15 ms: {'met' if extra <= 15 else 'missed'}); after the load "
           f"{ratios['c1_after_load_p50_minus_alone_ms']:+.1f} ms")
-    print(json.dumps({"bench": "serve_load", "cpu": cpu_name(), "threads": opts.threads,
-                      "checkpoint": str(opts.checkpoint), "rounds": rounds, **summary}))
+
+
+def scaling(few: list[dict], many: list[dict], counts: list[int]) -> dict[str, float]:
+    """Each cell of the largest worker count over the same cell of the smallest, taken
+    round by round, medians: sentences/s (higher is better) and p50 (lower is better)."""
+    out: dict[str, float] = {}
+    for i, cell in enumerate(few[0]["cells"]):
+        name = f"{cell['lines']}x{cell['concurrency']}" + (
+            "_again" if cell.get("after_load") else "")
+        out[f"{name}_sentences_ratio"] = statistics.median(
+            m["cells"][i]["sentences_per_s"] / f["cells"][i]["sentences_per_s"]
+            for f, m in zip(few, many, strict=True))
+        out[f"{name}_p50_ratio"] = statistics.median(
+            m["cells"][i]["p50_ms"] / f["cells"][i]["p50_ms"]
+            for f, m in zip(few, many, strict=True))
+    print(f"{counts[-1]} workers / {counts[0]}: 20 lines x 32 "
+          f"{out['20x32_sentences_ratio']:.2f}x sentences/s (goal >= 1.6x); a lone line's p50 "
+          f"{out['1x1_p50_ratio']:.2f}x (goal <= 1.0x, within noise)")
+    return out
 
 
 if __name__ == "__main__":

@@ -420,6 +420,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2,
                         help="Timed passes per translator (and per CTranslate2 replica "
                              "set), the best kept.")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="Times every system and configuration is run, interleaved; "
+                             "each keeps its best.")
     parser.add_argument("--passes", type=int, default=1,
                         help="Passes over the input by one translator (nmt and CTranslate2), "
                              "the last timed: the steady state of a long input; >1 also "
@@ -439,7 +442,7 @@ def main() -> None:
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ISA_CAPS})
     systems = opts.systems.split(",")
     if opts.smoke:
-        opts.sentences, opts.repeats, systems = 40, 1, ["fp32", "int8"]
+        opts.sentences, opts.repeats, opts.rounds, systems = 40, 1, 1, ["fp32", "int8"]
     if opts.skip_fairseq or not FAIRSEQ_PY.exists():
         systems = [s for s in systems if s != "fairseq"]
     if opts.skip_ct2 or not CT2_PY.exists():
@@ -467,26 +470,27 @@ def main() -> None:
     nmt_runs = {"fp32": ("fp32", True), "auto": ("auto", True), "int8": ("int8", True),
                 "fp32_unpacked": ("fp32", False)}
     best: dict[str, dict] = {}
-    for name in systems:  # one system after another, each alone on the machine
-        if name in nmt_runs:
-            precision, packed = nmt_runs[name]
-            for workers, threads in grid:
-                row = run_nmt(checkpoint, lines, refs, cfg, precision, packed, opts.passes,
-                              workers, threads, opts.repeats, opts.cache)
-                best[f"{name}@{workers}x{threads}"] = row
-                print(f"nmt {name} {workers}x{threads}: {row['sentences_per_s']:.1f} "
-                      "sentences/s", file=sys.stderr)
-        elif name == "ct2":
-            assert request is not None
-            sizes = [int(x) for x in opts.ct2_batch_tokens.split(",")]
-            for key, row in time_ct2(request, grid, sizes, vocab, refs, opts.passes,
-                                     opts.repeats).items():
-                best[f"ct2_{key}"] = row
-        elif name == "fairseq":
-            threads = max(t * w for w, t in grid)
-            torch.set_num_threads(threads)
-            keep_best(best, "fairseq", time_fairseq(checkpoint, lines, cfg, opts.cache,
-                                                    threads, refs))
+    for _ in range(opts.rounds):  # interleaved: this VM drifts 10-20 % over minutes
+        for name in systems:  # one system after another, each alone on the machine
+            if name in nmt_runs:
+                precision, packed = nmt_runs[name]
+                for workers, threads in grid:
+                    row = run_nmt(checkpoint, lines, refs, cfg, precision, packed,
+                                  opts.passes, workers, threads, opts.repeats, opts.cache)
+                    keep_best(best, f"{name}@{workers}x{threads}", row)
+                    print(f"nmt {name} {workers}x{threads}: {row['sentences_per_s']:.1f} "
+                          "sentences/s", file=sys.stderr)
+            elif name == "ct2":
+                assert request is not None
+                sizes = [int(x) for x in opts.ct2_batch_tokens.split(",")]
+                for key, row in time_ct2(request, grid, sizes, vocab, refs, opts.passes,
+                                         opts.repeats).items():
+                    keep_best(best, f"ct2_{key}", row)
+            elif name == "fairseq":
+                threads = max(t * w for w, t in grid)
+                torch.set_num_threads(threads)
+                keep_best(best, "fairseq", time_fairseq(checkpoint, lines, cfg, opts.cache,
+                                                        threads, refs))
     report(best, opts, checkpoint, grid)
 
 
@@ -528,6 +532,7 @@ def report(best: dict[str, dict], opts: argparse.Namespace, checkpoint: Path,
                                  "early_stop": opts.early_stop,
                                  "grid": [f"{w}x{t}" for w, t in grid], "beam": 4,
                                  "alpha": 0.6, "max_len_b": 50, "repeats": opts.repeats,
+                                 "rounds": opts.rounds,
                                  "passes": opts.passes, "sentences": opts.sentences}
     targets = [("int8@", "ct2_int8@"), ("fp32@", "ct2_float32@"), ("auto@", "ct2_int8@")]
     for scope, key in (("best", None), ("one thread", "1x1")):

@@ -63,3 +63,26 @@ def test_causal_mask_first_built_under_inference_mode_still_trains() -> None:
     q.requires_grad_(True)
     masked_scores(q, k, None, is_causal=True).softmax(-1).sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attend_one_with_transposed_keys_equals_sdpa_at_every_key_count(dtype) -> None:
+    """attend_one (keys given transposed; softmax written out below 16 keys, where torch's
+    CPU kernel is scalar) against SDPA, for 1..40 keys, with a mask hiding some keys."""
+    from nmt.model.attention import attend_one, softmax_keys
+
+    torch.manual_seed(0)
+    for keys in range(1, 41):
+        q = torch.randn(5, 4, 3, 16)
+        k, v = torch.randn(5, 4, keys, 16), torch.randn(5, 4, keys, 16)
+        mask = torch.rand(5, 1, 3, keys) > 0.3
+        mask[..., 0] = True  # every query sees a key
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        got = attend_one(q.to(dtype), k.transpose(-1, -2).contiguous().to(dtype), v.to(dtype),
+                         mask)
+        assert got.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 5e-2
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+        scores = torch.randn(7, keys).to(dtype)
+        torch.testing.assert_close(softmax_keys(scores.clone()).float(),
+                                   scores.float().softmax(-1), rtol=tol, atol=tol)

@@ -74,11 +74,12 @@ def init_state(model: Transformer, enc: EncoderOutput, attention_layer: int = -1
     and an empty self-attention cache of kind `cache` (a CACHES name); one row per
     sentence. `attention_layer` picks the layer whose cross-attention `need_attention`
     stores."""
-    # Contiguous once here, so every step's matmuls read K/V in place (a transposed
-    # view would make each step's bmm copy them).
-    cross = [tuple(t.contiguous() for t in layer.cross_attn.project_kv(enc.states))
-             for layer in model.decoder]  # per layer (K, V), each (n, heads, src_len, d)
-    return CACHES[cache].start([k for k, _ in cross], [v for _, v in cross],
+    # Laid out once here as every step's matmuls read them: keys transposed (q @ K^T
+    # reads contiguous matrices), values as they are; a strided view would cost each step.
+    cross = [layer.cross_attn.project_kv(enc.states) for layer in model.decoder]
+    keys_t = [k.transpose(-1, -2).contiguous() for k, _ in cross]  # (n, heads, d_k, src_len)
+    values = [v.contiguous() for _, v in cross]  # (n, heads, src_len, d_v)
+    return CACHES[cache].start(keys_t, values,
                                enc.padding_mask, enc.attn_mask(), model.cfg.max_positions,
                                attention_layer)
 

@@ -70,7 +70,7 @@ class GroupedCache:
     (n, heads, src_len).
     """
 
-    cross_k: list[Tensor]  # per layer (groups, heads, src_len, d_k)
+    cross_k: list[Tensor]  # per layer (groups, heads, d_k, src_len): keys transposed
     cross_v: list[Tensor]  # per layer (groups, heads, src_len, d_v)
     padding_mask: Tensor  # (groups, src_len) True at PAD
     cross_mask: Tensor | None  # (groups, 1, 1, src_len) True = attend; None: no padding
@@ -89,10 +89,10 @@ class GroupedCache:
               cross_mask: Tensor | None, limit: int, attention_layer: int = -1
               ) -> GroupedCache:
         """A state of one row (group of size 1) per sentence around the per-layer cross
-        K/V (n, heads, src_len, d), with empty self-attention caches of INITIAL_CAPACITY
-        positions (at most `limit`)."""
+        keys (n, heads, d_k, src_len: transposed) and values (n, heads, src_len, d_v), with
+        empty self-attention caches of INITIAL_CAPACITY positions (at most `limit`)."""
         n, capacity = cross_k[0].size(0), min(INITIAL_CAPACITY, limit)
-        self_k, self_v = _empty_caches(cross_k, cross_v, n, capacity, 1)
+        self_k, self_v = _empty_caches(cross_k, cross_v, n, capacity, 1, k_dim=2)
         return cls(cross_k=cross_k, cross_v=cross_v, padding_mask=padding_mask,
                    cross_mask=cross_mask, self_k=self_k, self_v=self_v,
                    ancestry=torch.zeros(n, 1, capacity, dtype=torch.long,
@@ -270,17 +270,17 @@ def slot_mask(state: GroupedCache, position: int) -> Tensor | None:
     return mask.flatten(2).unsqueeze(1)  # (groups, 1, g, (t+1)*g)
 
 
-def _empty_caches(like_k: list[Tensor], like_v: list[Tensor], groups: int, cap: int, g: int
-                  ) -> tuple[list[Tensor], list[Tensor]]:
+def _empty_caches(like_k: list[Tensor], like_v: list[Tensor], groups: int, cap: int, g: int,
+                  k_dim: int = -1) -> tuple[list[Tensor], list[Tensor]]:
     """Uninitialised self-attention buffers (groups, heads, cap, g, d) of every layer, with
-    the heads, d, dtype and device of the per-layer `like_k`/`like_v` tensors (heads in
-    dim 1, d last)."""
+    the heads (dim 1), d, dtype and device of the per-layer `like_k`/`like_v` tensors: d
+    last, or for the keys in dim `k_dim` (2 for the transposed cross keys)."""
 
-    def empty(likes: list[Tensor]) -> list[Tensor]:
-        return [like.new_empty(groups, like.size(1), cap, g, like.size(-1))
+    def empty(likes: list[Tensor], d_dim: int) -> list[Tensor]:
+        return [like.new_empty(groups, like.size(1), cap, g, like.size(d_dim))
                 for like in likes]  # each (groups, heads, cap, g, d)
 
-    return empty(like_k), empty(like_v)
+    return empty(like_k, k_dim), empty(like_v, -1)
 
 
 def _group_size(group_of: Tensor, g: int, rows: int, n_new: int, groups: int) -> int:

@@ -21,7 +21,7 @@ class PlainCache:
     """Per-row caches for n rows: `self_k[i]` (n, heads, step, d_k) for layer i, the
     encoder K/V and mask per row. Same methods as GroupedCache."""
 
-    cross_k: list[Tensor]  # per layer (n, heads, src_len, d_k)
+    cross_k: list[Tensor]  # per layer (n, heads, d_k, src_len): keys transposed
     cross_v: list[Tensor]  # per layer (n, heads, src_len, d_v)
     cross_mask: Tensor | None  # (n, 1, 1, src_len) True = attend; None: no padding
     limit: int  # the model's positions, checked by the model itself
@@ -36,9 +36,10 @@ class PlainCache:
     def start(cls, cross_k: list[Tensor], cross_v: list[Tensor], padding_mask: Tensor,
               cross_mask: Tensor | None, limit: int, attention_layer: int = -1
               ) -> PlainCache:
-        """Empty histories of n rows around the per-layer encoder K/V (n, heads, src_len, d)."""
+        """Empty histories of n rows around the per-layer encoder keys (n, heads, d_k,
+        src_len: transposed) and values (n, heads, src_len, d_v)."""
         del padding_mask  # the mask `cross_mask` says the same
-        empty = [k.new_empty(*k.shape[:2], 0, k.size(-1)) for k in cross_k]  # (n, h, 0, d_k)
+        empty = [k.new_empty(*k.shape[:2], 0, k.size(2)) for k in cross_k]  # (n, h, 0, d_k)
         empty_v = [v.new_empty(*v.shape[:2], 0, v.size(-1)) for v in cross_v]  # (n, h, 0, d_v)
         return cls(cross_k=cross_k, cross_v=cross_v, cross_mask=cross_mask, limit=limit,
                    self_k=empty, self_v=empty_v, attention_layer=attention_layer)

@@ -111,7 +111,8 @@ class SelfAttention(nn.Module):
         keys, values, mask = cache.history()  # (entries, heads, length, d), mask
         entries = keys.size(0)
         q = q.view(entries, n // entries, self.heads, self.d_k)  # (entries, g, heads, d_k)
-        context = attend_one(q.transpose(1, 2), keys, values, mask)  # (entries, heads, g, d_v)
+        context = attend_one(q.transpose(1, 2), keys.transpose(-1, -2), values,
+                             mask)  # (entries, heads, g, d_v)
         context = context.transpose(1, 2).reshape(n, 1, -1)  # (n, 1, heads*d_v)
         return self.out(live_rows(context, cache))  # (m, 1, d_model)
 
@@ -188,20 +189,42 @@ def attend(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
     return probs @ v  # (b, heads, t, d_v)
 
 
-def attend_one(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> Tensor:
+def attend_one(q: Tensor, k_t: Tensor, v: Tensor, attn_mask: Tensor | None) -> Tensor:
     """Attention at inference of a few queries per batch entry: q (b, heads, g, d_k)
-    against k (b, heads, len, d_k), v (b, heads, len, d_v); `attn_mask` None or boolean
-    broadcastable to (b, heads, g, len), True = may attend.
+    against keys given transposed, k_t (b, heads, d_k, len), and v (b, heads, len, d_v);
+    `attn_mask` None or boolean broadcastable to (b, heads, g, len), True = may attend.
 
     Incremental decoding groups the g beam rows of one sentence as the g queries of one
     entry, so the sentence's keys are read from memory once, not once per row. On GPU
     this is SDPA; on CPU SDPA's flash kernel has a high fixed cost for so few queries
-    (measured about 2x slower than two batched matmuls at beam-search shapes, see
-    bench/model_speed.py), so the softmax is written out there.
+    (about 2x slower than two batched matmuls at beam-search shapes, see
+    bench/model_speed.py), so the softmax is written out there. Keys stored transposed
+    (the encoder's, nmt/inference/decoding.py) make the scores' batched matmul read
+    contiguous matrices: half its time of a transposed view (docs/performance.md).
     """
     if q.device.type != "cpu":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
-    return masked_scores(q, k, attn_mask).softmax(dim=-1) @ v  # (b, heads, g, d_v)
+        return F.scaled_dot_product_attention(q, k_t.transpose(-1, -2), v, attn_mask=attn_mask)
+    scores = (q @ k_t).mul_(q.size(-1) ** -0.5)  # (b, heads, g, len)
+    if attn_mask is not None:
+        scores.masked_fill_(attn_mask.logical_not(), float("-inf"))
+    return softmax_keys(scores) @ v  # (b, heads, g, d_v)
+
+
+# Below this many keys torch's CPU softmax leaves its vectorised kernel (16 floats: one
+# AVX-512 register) for a scalar loop 6-7x slower (1,168 rows of 14 keys: 248 vs 40 us,
+# torch 2.13): short sources in cross-attention, the first steps of self-attention.
+SOFTMAX_FAST_FROM = 16
+
+
+def softmax_keys(scores: Tensor) -> Tensor:
+    """softmax over the last dim of `scores`, a fresh tensor that may be overwritten; in
+    float32 arithmetic below SOFTMAX_FAST_FROM keys (max, exp, sum, divide written out),
+    returned in the scores' dtype."""
+    if scores.size(-1) >= SOFTMAX_FAST_FROM:
+        return scores.softmax(dim=-1)
+    wide = scores.float()  # the same tensor when float32
+    wide = wide.sub_(wide.amax(dim=-1, keepdim=True)).exp_()
+    return wide.div_(wide.sum(dim=-1, keepdim=True)).to(scores.dtype)
 
 
 class CrossAttention(nn.Module):
@@ -249,8 +272,8 @@ class CrossAttention(nn.Module):
         if need_weights:
             weights = attention_weights(q, k, attn_mask, v.dtype)  # (batch, heads, tgt, src)
             context = dropout(weights, drop, self.training) @ v  # (batch, heads, tgt, d_v)
-        elif length == 1 and not self.training:  # incremental decoding
-            context = attend_one(q, k, v, attn_mask)  # (batch, heads, 1, d_v)
+        elif length == 1 and not self.training:  # one position at inference
+            context = attend_one(q, k.transpose(-1, -2), v, attn_mask)  # (batch, heads, 1, d_v)
         else:
             context = attend(q, k, v, attn_mask, dropout_p=drop)  # (batch, heads, tgt, d_v)
         context = context.transpose(1, 2).reshape(batch, length, -1)  # (batch, tgt, heads*d_v)
@@ -266,17 +289,18 @@ class CrossAttention(nn.Module):
         None).
         """
         n = cache.rows
-        k, v, attn_mask = cache.encoder()  # (entries, heads, src_len, d), mask
-        entries = k.size(0)
+        k_t, v, attn_mask = cache.encoder()  # (entries, heads, d, src_len), V, mask
+        entries = k_t.size(0)
         q = all_rows(self.q(x), cache)  # (n, 1, heads*d_k)
         q = q.view(entries, n // entries, self.heads, self.d_k).transpose(1, 2)
         # q: (entries, heads, g, d_k)
         weights = None
         if need_weights:
-            probs = attention_weights(q, k, attn_mask, v.dtype)  # (entries, heads, g, S)
+            probs = attention_weights(q, k_t.transpose(-1, -2), attn_mask,
+                                      v.dtype)  # (entries, heads, g, S)
             context = probs @ v  # (entries, heads, g, d_v)
             weights = probs.transpose(1, 2).reshape(n, self.heads, -1)  # (n, heads, S)
         else:
-            context = attend_one(q, k, v, attn_mask)  # (entries, heads, g, d_v)
+            context = attend_one(q, k_t, v, attn_mask)  # (entries, heads, g, d_v)
         context = context.transpose(1, 2).reshape(n, 1, -1)  # (n, 1, heads*d_v)
         return self.out(live_rows(context, cache)), live_rows(weights, cache)

@@ -46,7 +46,8 @@ class LayerCache(Protocol):
         ...
 
     def encoder(self) -> tuple[Tensor, Tensor, Tensor | None]:
-        """The encoder-decoder attention's K (entries, heads, src_len, d_k) and V
-        (entries, heads, src_len, d_v), and the source mask None or (entries, 1, 1,
-        src_len), True = real token; rows per entry as for `history`."""
+        """The encoder-decoder attention's keys, TRANSPOSED (entries, heads, d_k, src_len),
+        as the scores' matmul reads them, V (entries, heads, src_len, d_v), and the source
+        mask None or (entries, 1, 1, src_len), True = real token; rows per entry as for
+        `history`."""
         ...
