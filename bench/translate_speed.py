@@ -177,7 +177,8 @@ def export_for_fairseq(model: Transformer, vocab: Vocab, lines: list[str], cfg: 
 
 def time_ours(checkpoint: Path, lines: list[str], refs: list[str], cfg: DecodeConfig,
               precision: str, packed: bool = True, passes: int = 1, workers: int = 1,
-              threads: int = 1, repeats: int = 1) -> dict[str, object]:
+              threads: int = 1, repeats: int = 1, shortlist: Path | None = None
+              ) -> dict[str, object]:
     """`nmt translate`'s stream path over `lines` at `precision` with `workers` processes of
     `threads` torch threads (after a 20-line warm-up), with the linears packed for oneDNN
     or (packed=False) on torch's default path; best of `repeats` timed passes.
@@ -195,7 +196,7 @@ def time_ours(checkpoint: Path, lines: list[str], refs: list[str], cfg: DecodeCo
     if workers == 1:
         torch.set_num_threads(threads)
     translator = Translator.load([checkpoint], cfg, device="cpu", precision=precision,
-                                 workers=workers, threads=threads)
+                                 workers=workers, threads=threads, shortlist=shortlist)
     data = ("\n".join(lines) + "\n").encode()
     translate_stream(io.BytesIO(("\n".join(lines[:20]) + "\n").encode()), io.BytesIO(),
                      translator)  # warm-up
@@ -217,6 +218,7 @@ def time_ours(checkpoint: Path, lines: list[str], refs: list[str], cfg: DecodeCo
     translator.close()
     hyps = sink.getvalue().decode("utf-8").splitlines()
     return {"system": "nmt", "precision": precision, "packed_linears": packed,
+            "shortlist": None if shortlist is None else str(shortlist),
             "workers": workers, "threads": threads, "max_tokens": translator.max_tokens,
             "bleu": corpus_scores(hyps, refs, digits=2)["bleu"], "hyps": hyps,
             "resolved_precision": resolve_precision(precision, torch.device("cpu")),
@@ -268,19 +270,20 @@ def child_main(request: Path) -> None:
     cfg = DecodeConfig(**req["cfg"])
     row = time_ours(Path(req["checkpoint"]), req["lines"], req["refs"], cfg, req["precision"],
                     req["packed"], req["passes"], req["workers"], req["threads"],
-                    req["repeats"])
+                    req["repeats"], Path(req["shortlist"]) if req["shortlist"] else None)
     print(json.dumps(row))
 
 
 def run_nmt(checkpoint: Path, lines: list[str], refs: list[str], cfg: DecodeConfig,
             precision: str, packed: bool, passes: int, workers: int, threads: int,
-            repeats: int, cache: Path) -> dict[str, object]:
+            repeats: int, cache: Path, shortlist: Path | None = None) -> dict[str, object]:
     """`time_ours` in a fresh Python process (see there)."""
     request = cache / "nmt_request.json"
     request.write_text(json.dumps({
         "checkpoint": str(checkpoint), "lines": lines, "refs": refs,
         "cfg": dataclasses.asdict(cfg), "precision": precision, "packed": packed,
-        "passes": passes, "workers": workers, "threads": threads, "repeats": repeats}),
+        "passes": passes, "workers": workers, "threads": threads, "repeats": repeats,
+        "shortlist": None if shortlist is None else str(shortlist)}),
         encoding="utf-8")
     proc = subprocess.run([sys.executable, __file__, "--child", str(request)],
                           capture_output=True, text=True, check=False)
@@ -404,6 +407,8 @@ def main() -> None:
                         help="nmt's batch size (default: nmt translate's, 2048 on a CPU).")
     parser.add_argument("--early-stop", default="bound", choices=["bound", "beam"],
                         help="nmt's stopping rule (beam: CTranslate2's, like with like).")
+    parser.add_argument("--shortlist", type=Path, default=None,
+                        help="Also time nmt's rows with this `nmt shortlist` file.")
     parser.add_argument("--ct2-batch-tokens", default="4096,2048,1024",
                         help="CTranslate2's max_batch_size values (tokens) tried; its best "
                              "is reported.")
@@ -469,14 +474,18 @@ def main() -> None:
             systems.remove("ct2")
     nmt_runs = {"fp32": ("fp32", True), "auto": ("auto", True), "int8": ("int8", True),
                 "fp32_unpacked": ("fp32", False)}
+    if opts.shortlist is not None:  # the same precisions again, with the shortlist
+        systems += [f"{name}+shortlist" for name in systems if name in nmt_runs]
     best: dict[str, dict] = {}
     for _ in range(opts.rounds):  # interleaved: this VM drifts 10-20 % over minutes
         for name in systems:  # one system after another, each alone on the machine
-            if name in nmt_runs:
-                precision, packed = nmt_runs[name]
+            if name.split("+")[0] in nmt_runs:
+                precision, packed = nmt_runs[name.split("+")[0]]
+                listed = opts.shortlist if name.endswith("+shortlist") else None
                 for workers, threads in grid:
                     row = run_nmt(checkpoint, lines, refs, cfg, precision, packed,
-                                  opts.passes, workers, threads, opts.repeats, opts.cache)
+                                  opts.passes, workers, threads, opts.repeats, opts.cache,
+                                  listed)
                     keep_best(best, f"{name}@{workers}x{threads}", row)
                     print(f"nmt {name} {workers}x{threads}: {row['sentences_per_s']:.1f} "
                           "sentences/s", file=sys.stderr)
@@ -534,7 +543,8 @@ def report(best: dict[str, dict], opts: argparse.Namespace, checkpoint: Path,
                                  "alpha": 0.6, "max_len_b": 50, "repeats": opts.repeats,
                                  "rounds": opts.rounds,
                                  "passes": opts.passes, "sentences": opts.sentences}
-    targets = [("int8@", "ct2_int8@"), ("fp32@", "ct2_float32@"), ("auto@", "ct2_int8@")]
+    targets = [("int8@", "ct2_int8@"), ("fp32@", "ct2_float32@"), ("auto@", "ct2_int8@"),
+               ("int8+shortlist@", "ct2_int8@"), ("auto+shortlist@", "ct2_int8@")]
     for scope, key in (("best", None), ("one thread", "1x1")):
         for ours, peer in targets:
             mine, theirs = _best_of(best, ours, key), _best_of(best, peer, key)

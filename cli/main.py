@@ -1,4 +1,4 @@
-"""The Typer app: `nmt prep|bpe|train|average|translate|score|plot|serve|export`."""
+"""The Typer app: `nmt prep|bpe|train|average|translate|shortlist|score|plot|serve|export`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from cli import average, bpe, export, plot, prep, score, serve, train, translate
+from cli import average, bpe, export, plot, prep, score, serve, shortlist, train, translate
 from nmt import __version__
 
 
@@ -44,6 +44,8 @@ app.command("train", help="Train a Transformer on binarized data.")(train.comman
 app.command("average", help="Average the parameters of several checkpoints.")(average.command)
 app.command("translate", help="Translate lines from stdin (or -i) with beam search.")(
     translate.command)
+app.command("shortlist", help="Learn a lexical shortlist for faster translation "
+            "(translate --shortlist).")(shortlist.command)
 app.command("score", help="Score hypotheses against references (sacreBLEU, paper BLEU).")(
     score.command)
 app.command("plot", help="Plot a run's training curves as a PNG (needs "

@@ -91,6 +91,10 @@ def command(
                                help="Print sentences/s and target tokens/s on stderr (and "
                                "the workers chosen, which a terminal always gets)."),
     seed: int = typer.Option(_R.seed, "--seed", show_default=True, help="Seed for --sampling."),
+    shortlist: Path = typer.Option(None, "--shortlist", show_default="off",
+                                   help="A file of `nmt shortlist` (same vocabulary): score "
+                                   "only each batch's likely target pieces, not the whole "
+                                   "vocabulary (faster; see docs/performance.md)."),
     workers: int = typer.Option(None, "--workers", show_default="CPU: every core (one when "
                                 "typing at a terminal); GPU: 1",
                                 help="Processes decoding batches in parallel on a CPU, "
@@ -144,7 +148,7 @@ def command(
         translator = Translator.load(model_files("translate", models), cfg, device=device,
                                      precision=precision, max_src_len=max_src_len, seed=seed,
                                      weights=weights, workers=plan.workers,
-                                     threads=plan.threads)
+                                     threads=plan.threads, shortlist=shortlist)
         with translator_lifetime(translator):
             _translate(translator, input_path, output, precision, errors, stats, prefix_file,
                        attention, attention_layer, attention_heads, interactive)

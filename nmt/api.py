@@ -86,14 +86,16 @@ class Translator:
     @classmethod
     def load(cls, path: str | Path | Sequence[str | Path], device: str = _R.device,
              precision: str = _R.precision, threads: int | None = None,
-             weights: str = _R.weights, quiet: bool = False, workers: int = 1) -> Translator:
+             weights: str = _R.weights, quiet: bool = False, workers: int = 1,
+             shortlist: str | Path | None = None) -> Translator:
         """Load a checkpoint file, or a run directory (its average.pt, else
         checkpoint_best.pt, else checkpoint_last.pt: the choice is printed on stderr
         unless `quiet`); a list of them is an ensemble. `device`, `precision` and
         `weights` as `nmt translate`'s flags. `workers` > 1 (CPU) forks that many
         decoding processes sharing the weights, `threads` torch threads each (None: 1);
         with one worker `threads` sets torch's intra-op threads for the whole process
-        (None: leave torch's setting)."""
+        (None: leave torch's setting). `shortlist`: a file of `nmt shortlist` made with
+        the model's vocabulary: only each batch's likely target pieces are scored."""
         import torch
 
         from nmt.checkpoint import resolve_model_paths
@@ -108,7 +110,8 @@ class Translator:
         files = resolve_model_paths([Path(p) for p in given], lambda item, file: quiet or print(
             f"nmt: {item}: using {file}", file=sys.stderr))
         engine = Engine.load(files, _D, device=device, precision=precision,
-                             weights=weights, workers=workers, threads=threads or 1)
+                             weights=weights, workers=workers, threads=threads or 1,
+                             shortlist=None if shortlist is None else Path(shortlist))
         return cls(engine, files, _languages(files[0]))
 
     def __enter__(self) -> Translator:

@@ -86,7 +86,8 @@ def init_state(model: Transformer, enc: EncoderOutput, attention_layer: int = -1
 
 def decode_step(model: Transformer, tokens: Tensor, state: DecodingCache, *,
                 need_attention: bool = False, live: Tensor | None = None,
-                out: Tensor | None = None, projection: PackedLinear | None = None) -> Tensor:
+                out: Tensor | None = None, projection: nn.Module | None = None,
+                weight: Tensor | None = None) -> Tensor:
     """Feed the newest token of each row, `tokens` (n,), at position `state.step`;
     update `state` in place and return next-token logits (n, vocab), computed for
     this one position only.
@@ -101,7 +102,8 @@ def decode_step(model: Transformer, tokens: Tensor, state: DecodingCache, *,
     rows and that view is returned: a search reusing one buffer avoids a fresh
     (rows, vocab) allocation per step (large enough to be page-faulted in each time).
     A packed `projection` of the output weight replaces the plain matmul; it ignores
-    `out` (its kernel has no out= form and returns a new tensor).
+    `out` (its kernel has no out= form and returns a new tensor). `weight` (V', d_model),
+    rows of the output weight (a shortlist's), replaces it in the plain matmul.
 
     With `need_attention`, the encoder-decoder attention of layer
     `state.attention_layer` is stored in `state.attention` (n or m, heads, src_len).
@@ -117,18 +119,22 @@ def decode_step(model: Transformer, tokens: Tensor, state: DecodingCache, *,
     if model.dec_norm is not None:
         x = model.dec_norm(x)
     state.step += 1
-    return _logits(model, x[:, 0], out, projection)  # (n or m, vocab)
+    return _logits(model, x[:, 0], out, projection, weight)  # (n or m, vocab)
 
 
 def _logits(model: Transformer, features: Tensor, out: Tensor | None,
-            projection: PackedLinear | None) -> Tensor:
+            projection: nn.Module | None, weight: Tensor | None = None) -> Tensor:
     """`model.logits` of (rows, d_model) `features`, through the packed `projection` when
-    given, else into the first rows of `out` when given: (rows, vocab)."""
+    given, else with `weight` (default: the model's output weight), into the first rows of
+    `out` when given: (rows, vocab or V')."""
     if projection is not None:
         return projection(features)
-    if out is None:
+    if weight is None and out is None:
         return model.logits(features)
-    return torch.mm(features, model.output_weight.t(), out=out[: features.size(0)])
+    weight = model.output_weight if weight is None else weight
+    if out is None:
+        return torch.mm(features, weight.t())
+    return torch.mm(features, weight.t(), out=out[: features.size(0)])
 
 
 class DecodingWorkspace:
@@ -151,10 +157,20 @@ class DecodingWorkspace:
         self.projection = projection
         self._logits: Tensor | None = None
 
-    def decoder(self, src: Tensor) -> ModelStepDecoder:
+    def decoder(self, src: Tensor, columns: Tensor | None = None) -> ModelStepDecoder:
         """A step decoder over `src` (batch, src_len) that reuses this workspace; close it
-        (or use it as a context manager) to leave its memory to the next one."""
-        return ModelStepDecoder(self.model, src, self)
+        (or use it as a context manager) to leave its memory to the next one. `columns`
+        (V',) sorted target ids, the specials first: score only those (a shortlist)."""
+        return ModelStepDecoder(self.model, src, self, columns=columns)
+
+    def restricted(self, columns: Tensor) -> tuple[nn.Module | None, Tensor]:
+        """The output projection (of this workspace's kind: int8, packed or plain) and
+        weight for the rows `columns` of the output weight only (V', d_model)."""
+        weight = self.model.output_weight.index_select(0, columns)  # (V', d_model)
+        if self.projection is None:
+            return None, weight
+        with torch.no_grad():
+            return type(self.projection)(weight, None), weight
 
     def take(self) -> Tensor | None:
         """The pooled logits buffer, leaving the workspace empty."""
@@ -179,10 +195,18 @@ class ModelStepDecoder:
     """
 
     def __init__(self, model: Transformer, src: Tensor,
-                 workspace: DecodingWorkspace | None = None, cache: str = "grouped") -> None:
+                 workspace: DecodingWorkspace | None = None, cache: str = "grouped",
+                 columns: Tensor | None = None) -> None:
         self.model = model
         self.state = init_state(model, model.encode(src), cache=cache)
         self.projection = None if workspace is None else workspace.projection
+        # A shortlist: the search sees columns 0..V'-1 (token `columns[c]`), the specials
+        # first, so their ids are their columns.
+        self.columns, self.weight = columns, None
+        if columns is not None:
+            if workspace is None:
+                workspace = DecodingWorkspace(model)
+            self.projection, self.weight = workspace.restricted(columns)
         self._workspace = workspace if src.device.type == "cpu" else None
         self._logits = self._workspace.take() if self._workspace is not None else None
 
@@ -203,17 +227,24 @@ class ModelStepDecoder:
             self._workspace.give_back(self._logits)
 
     def step(self, tokens: Tensor) -> Tensor:
-        """Next-token log-probabilities in float32 whatever the model's precision."""
-        logits = decode_step(self.model, tokens, self.state, out=self._out(tokens.numel()),
-                             projection=self.projection)
+        """Next-token log-probabilities in float32 whatever the model's precision (over
+        the shortlist's columns when there is one: normalised over them)."""
+        logits = decode_step(self.model, self._ids(tokens), self.state,
+                             out=self._out(tokens.numel()), projection=self.projection,
+                             weight=self.weight)
         return self._log_softmax(logits)
 
     def step_rows(self, tokens: Tensor, rows: Tensor, n_rows: int) -> Tensor:
         """Like `step` for rows `rows` (m,) of the `n_rows` only, `tokens` (m,) -> log-probs
         (m, V); the other rows are finished for good (see `decode_step`)."""
-        logits = decode_step(self.model, tokens, self.state, live=rows,
-                             out=self._out(tokens.numel()), projection=self.projection)
+        logits = decode_step(self.model, self._ids(tokens), self.state, live=rows,
+                             out=self._out(tokens.numel()), projection=self.projection,
+                             weight=self.weight)
         return self._log_softmax(logits)
+
+    def _ids(self, tokens: Tensor) -> Tensor:
+        """The token ids of the search's columns (the same without a shortlist)."""
+        return tokens if self.columns is None else self.columns[tokens]
 
     def reserve(self, positions: int) -> None:
         """Preallocate the key/value caches for `positions` target tokens (capped by the
@@ -236,8 +267,9 @@ class ModelStepDecoder:
         the output projection is packed (it allocates its own output)."""
         if self.projection is not None:
             return None
-        weight = self.model.output_weight
+        weight = self.model.output_weight if self.weight is None else self.weight
         if (self._logits is None or self._logits.size(0) < rows
+                or self._logits.size(1) != weight.size(0)
                 or self._logits.dtype != weight.dtype):
             self._logits = weight.new_empty(rows, weight.size(0))  # (rows, V)
         return self._logits

@@ -26,10 +26,12 @@ from typing import BinaryIO
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from nmt.checkpoint import load_model
 from nmt.config import DecodeConfig, RuntimeConfig, max_tokens_for
 from nmt.data.batching import batch_by_tokens
+from nmt.data.shortlist import Shortlist
 from nmt.data.vocab import Vocab
 from nmt.device import resolve_device
 from nmt.errors import CheckpointError, DataError, UsageError
@@ -99,6 +101,7 @@ class Translator:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.seeds = SeedSequence(seed)  # per-batch sampling seeds, shared by configured copies
         self.pool: WorkerPool | None = None  # worker processes (`load(..., workers=N)`)
+        self.shortlist: Shortlist | None = None  # candidates scored (`load(..., shortlist=)`)
         # One per model, for as long as this translator lives: each batch's decoder reuses
         # the memory the previous batch's left (and the packed output projection).
         projections = list(projections) if projections else [None] * len(self.models)
@@ -176,14 +179,15 @@ class Translator:
     def load(cls, paths: Sequence[Path], cfg: DecodeConfig, device: str = _R.device,
              precision: str = _R.precision, max_src_len: int | None = None,
              seed: int = _R.seed, weights: str = _R.weights, workers: int = 1,
-             threads: int = 1) -> Translator:
+             threads: int = 1, shortlist: Path | None = None) -> Translator:
         """Load checkpoints safely (weights_only); an ensemble must share one vocabulary.
         `weights`: auto (a checkpoint's EMA weights where it has them), raw or ema (the
         choices and defaults: nmt.config.RuntimeConfig, which checks them).
 
         `workers` > 1 (CPU only) forks that many worker processes of `threads` torch
         threads each, sharing the loaded weights (nmt/inference/workers.py); close the
-        translator (or use it as a context manager) to stop them."""
+        translator (or use it as a context manager) to stop them. `shortlist`: a file of
+        `nmt shortlist` (nmt/data/shortlist.py) made with the model's vocabulary."""
         if not paths:
             raise UsageError("no model given; pass -m MODEL (repeat it for an ensemble)")
         RuntimeConfig(device=device, precision=precision, weights=weights, seed=seed)
@@ -196,6 +200,8 @@ class Translator:
                              f"{dev.type} use one worker")
         with fork_safe_threads() if workers > 1 else nullcontext():
             engine = cls._load(paths, cfg, dev, precision, max_src_len, seed, weights)
+            if shortlist is not None:
+                engine.shortlist = Shortlist.load(shortlist, len(engine.vocab))
             if workers > 1:
                 engine.pool = WorkerPool(engine, workers, threads)
         return engine
@@ -233,9 +239,27 @@ class Translator:
         """Search for each source (piece ids without EOS); one list of hypotheses each.
         `prefixes`, one per source (empty: none), are piece ids each output must start
         with (teacher-forced, counted in the scores); the length limit grows to fit them.
-        `seed` restarts the sampling generator first (None: it goes on)."""
+        `seed` restarts the sampling generator first (None: it goes on). With a shortlist
+        only its candidates for these sources (and the prefixes' pieces) are scored."""
         if seed is not None:
             self.generator.manual_seed(seed)
+        if self.shortlist is None:
+            return self._search(sources, prefixes, None)
+        wanted = self.shortlist.candidates([*sources, *(prefixes or [])])
+        columns = torch.from_numpy(wanted).to(self.device)  # (V',) the specials first
+        # prefixes as columns: each prefix piece is a candidate, found by bisection
+        as_columns = (None if prefixes is None else
+                      [np.searchsorted(wanted, np.asarray(p, dtype=np.int64)).tolist()
+                       for p in prefixes])
+        found = self._search(sources, as_columns, columns)
+        return [[dataclasses.replace(h, tokens=wanted[h.tokens].tolist()) for h in hyps]
+                for hyps in found]
+
+    def _search(self, sources: Sequence[Sequence[int]],
+                prefixes: Sequence[Sequence[int]] | None, columns: Tensor | None
+                ) -> list[list[Hypothesis]]:
+        """`translate_ids` over the vocabulary, or over `columns` (V',) of it: the
+        hypotheses' tokens are then columns."""
         width = max(len(s) for s in sources) + 1
         src = torch.full((len(sources), width), PAD_ID, dtype=torch.long)
         for row, ids in enumerate(sources):
@@ -253,7 +277,7 @@ class Translator:
             room = (prefix != PAD_ID).sum(dim=1)  # (batch,) prefix lengths
             max_lens = torch.maximum(max_lens, room)
         with torch.inference_mode(), ExitStack() as members:  # closing them pools memory
-            decoder = EnsembleStepDecoder([members.enter_context(w.decoder(src))
+            decoder = EnsembleStepDecoder([members.enter_context(w.decoder(src, columns))
                                            for w in self.workspaces])
             if not cfg.sampling:
                 return beam_search(decoder, max_lens, beam=cfg.beam, alpha=cfg.alpha,
