@@ -31,6 +31,10 @@ def ct2(
                                      "bfloat16 (CTranslate2 can also convert at load time "
                                      "with compute_type)."),
     force: bool = typer.Option(False, "--force", help=FORCE_HELP),
+    shortlist: Path = typer.Option(None, "--shortlist", show_default="none",
+                                   help="A file of `nmt shortlist`, written into the "
+                                   "directory as CTranslate2's vocabulary map (translate "
+                                   "with use_vmap=True)."),
 ) -> None:
     """Write a CTranslate2 model directory (model.bin, config.json, vocabulary,
     sentencepiece.model, README.md with usage) from an nmt checkpoint."""
@@ -38,7 +42,7 @@ def ct2(
         from nmt.inference.export.ct2 import export_ct2  # torch: load lazily
 
         export_ct2(model_files("export ct2", [model])[0], output, quantization=quantization,
-                   force=force)
+                   force=force, shortlist=shortlist)
         console.print(f"nmt export ct2: wrote {output} ({quantization}); usage in "
                       f"{output / 'README.md'}", markup=False, soft_wrap=True)
 

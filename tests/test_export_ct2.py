@@ -207,3 +207,36 @@ def test_trained_model_translates_the_same(multi30k_model: Path, lines: list,
     ours, theirs, _ = beam_outputs(multi30k_model, out, sources, 0.6, max_len=30)
     same = sum(a == b for a, b in zip(ours, theirs, strict=True)) / len(ours)
     assert same >= 0.6, f"alpha 0.6: only {same:.3f} of the lines agree"
+
+
+@needs_ct2
+def test_the_shortlist_becomes_ctranslate2s_vocabulary_map(spm: Path, lines: list,
+                                                          tmp_path: Path, nmt_cli: NmtCli
+                                                          ) -> None:
+    """`--shortlist` writes the shortlist as CTranslate2's vocabulary map: with use_vmap
+    its outputs keep to the shortlist's candidates of the batch's sources (which they do
+    not without it, on this random model; BOS suppressed, which nmt never generates)."""
+    import numpy as np
+
+    from nmt.data.shortlist import Shortlist
+    from nmt.data.vocab import Vocab
+
+    checkpoint = make_checkpoint(spm, tmp_path / "model.pt", seed=4)
+    vocab = Vocab(spm.read_bytes())
+    rng = np.random.default_rng(0)
+    table = rng.integers(4, len(vocab), size=(len(vocab), 3)).astype(np.int32)
+    Shortlist(table, np.array([5, 6], dtype=np.int32), len(vocab)).save(tmp_path / "s.npz")
+    out = tmp_path / "ct2"
+    result = nmt_cli.invoke("export", "ct2", "-m", str(checkpoint), "-o", str(out),
+                            "--shortlist", str(tmp_path / "s.npz"))
+    assert result.returncode == 0, result.stderr.decode()
+    translator = ctranslate2.Translator(str(out), device="cpu", intra_threads=1)
+    sources = [vocab.pieces(ids) for ids in vocab.encode([en for en, _ in lines[:6]])]
+    options = dict(beam_size=2, max_decoding_length=8, suppress_sequences=[["<s>"]])
+    listed = translator.translate_batch(sources, use_vmap=True, **options)
+    plain = translator.translate_batch(sources, **options)
+    piece_id = {p: i for i, p in enumerate(vocab.pieces(range(len(vocab))))}
+    shortlist = Shortlist.load(tmp_path / "s.npz", len(vocab))
+    allowed = set(shortlist.candidates([[piece_id[p] for p in s] for s in sources]).tolist())
+    assert all({piece_id[p] for p in r.hypotheses[0]} <= allowed for r in listed)
+    assert any({piece_id[p] for p in r.hypotheses[0]} - allowed for r in plain)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from nmt.data.shortlist import Shortlist
 from nmt.data.vocab import BOS_ID, EOS_ID, UNK_ID, Vocab
 from nmt.errors import CheckpointError, DataError, UsageError
 from nmt.inference.export.common import (
@@ -167,12 +168,27 @@ def _ffn(spec: Any, ffn: Any, norm: torch.nn.LayerNorm) -> None:
     _norm(spec.layer_norm, norm)
 
 
+def vocabulary_map(shortlist: Shortlist, vocab: Vocab) -> str:
+    """The shortlist as CTranslate2's vocabulary map (its `use_vmap`): a line per source
+    piece, `piece<TAB>candidate candidate ...`, and one with an empty source for the pieces
+    that are always candidates."""
+    pieces = vocab.pieces(range(len(vocab)))
+    lines = ["\t" + " ".join(pieces[i] for i in shortlist.frequent)]
+    for source, row in enumerate(shortlist.table):
+        targets = [pieces[i] for i in row if i >= 0]
+        if targets:
+            lines.append(f"{pieces[source]}\t{' '.join(targets)}")
+    return "\n".join(lines) + "\n"
+
+
 def export_ct2(checkpoint: Path, output: Path, quantization: str = "float32",
-               force: bool = False) -> Path:
-    """Write the CTranslate2 directory `output` for `checkpoint`; returns `output`.
+               force: bool = False, shortlist: Path | None = None) -> Path:
+    """Write the CTranslate2 directory `output` for `checkpoint`; returns `output`. With
+    `shortlist` (a file of `nmt shortlist`) the directory also holds it as CTranslate2's
+    vocabulary map (translate with `use_vmap=True`).
 
     Raises UsageError (bad quantization, existing output without `force`, ctranslate2
-    missing), DataError/CheckpointError (unreadable checkpoint)."""
+    missing), DataError/CheckpointError (unreadable checkpoint or shortlist)."""
     if quantization not in QUANTIZATIONS:
         raise UsageError(f"unknown --quantization {quantization!r}; choose one of: "
                          f"{', '.join(QUANTIZATIONS)}")
@@ -186,10 +202,16 @@ def export_ct2(checkpoint: Path, output: Path, quantization: str = "float32",
         def _load(self) -> Any:
             return spec
 
+    listed = None if shortlist is None else Shortlist.load(shortlist, len(vocab))
     with temp_dir(output.absolute().parent, output.name) as tmp:
         model_dir = tmp / "model"
+        vmap = None
+        if listed is not None:
+            vmap = tmp / "vmap.txt"
+            vmap.write_text(vocabulary_map(listed, vocab), encoding="utf-8")
         try:
-            _Spec().convert(str(model_dir), quantization=quantization)
+            _Spec().convert(str(model_dir), quantization=quantization,
+                            vmap=None if vmap is None else str(vmap))
         except (ValueError, RuntimeError, NotImplementedError) as err:
             raise CheckpointError(f"{checkpoint}: CTranslate2 conversion failed: "
                                   f"{str(err).splitlines()[0] if str(err) else err!r}") from err
