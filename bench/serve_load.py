@@ -121,6 +121,8 @@ def per_line_ms(checkpoint: Path, lines: list[str], threads: int, workers: int =
 
 
 def cpu_name() -> str:
+    """The CPU's model name and its vector flags that matter here (lscpu), for every figure
+    (bench/translate_speed.py names its CPU with it too)."""
     try:
         text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
@@ -129,7 +131,8 @@ def cpu_name() -> str:
                   if line.startswith("Model name")), "unknown")
     flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
                   if line.startswith("Flags")), [])
-    vector = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    vector = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16",
+                          "amx_int8") if f in flags]
     return f"{model} ({', '.join(vector)})"
 
 

@@ -64,6 +64,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from loss_speed import status_bytes  # noqa: E402  (bench/: /proc/self/status fields)
+from serve_load import cpu_name  # noqa: E402  (bench/: the CPU and its vector flags)
 
 from nmt.checkpoint import load_model, model_payload, save_checkpoint  # noqa: E402
 from nmt.config import DecodeConfig, model_preset  # noqa: E402
@@ -516,7 +517,7 @@ def report(best: dict[str, dict], opts: argparse.Namespace, checkpoint: Path,
            grid: list[tuple[int, int]]) -> None:
     """The table (stdout), each system's best against CTranslate2's best, and one JSON
     line."""
-    cpu = _cpu_name()
+    cpu = cpu_name()
     isa = "AVX2 caps" if os.environ.get("ONEDNN_MAX_CPU_ISA") == "AVX2" else "native"
     print(f"CPU: {cpu}; kernels: {isa}; {opts.cores} cores; nmt --early-stop "
           f"{opts.early_stop}")
@@ -559,20 +560,6 @@ def report(best: dict[str, dict], opts: argparse.Namespace, checkpoint: Path,
     result["rows"] = best
     result["load_average_1_5_15"] = list(os.getloadavg())
     print(json.dumps(result))
-
-
-def _cpu_name() -> str:
-    """The CPU's model name and its widest vector flags, from /proc/cpuinfo."""
-    try:
-        info = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return "unknown"
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
-                 if line.startswith("model name")), "unknown")
-    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines()
-                      if line.startswith("flags")), []))
-    wanted = ["avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8"]
-    return f"{name} ({' '.join(f for f in wanted if f in flags)})"
 
 
 if __name__ == "__main__":

@@ -50,11 +50,10 @@ def handle_errors(command: str) -> Iterator[None]:
     except NmtError as err:
         fail(command, str(err), err.exit_code)
     except KeyboardInterrupt:
-        _say_interrupted(command)
+        _say_stopped(command, EXIT_INTERRUPTED)
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except Terminated:
-        sys.stderr.write(f"nmt {command}: terminated\n")
-        sys.stderr.flush()
+        _say_stopped(command, EXIT_TERMINATED)
         raise typer.Exit(EXIT_TERMINATED) from None
     except BrokenPipeError:
         # `nmt translate | head`: the reader left. Point stdout at /dev/null so the
@@ -91,15 +90,15 @@ def interrupt_surely(command: str, grace_seconds: float = 5.0,
         signal.signal(signal.SIGTERM, on_signal)
 
 
-def _say_interrupted(command: str) -> None:
-    sys.stderr.write(f"nmt {command}: interrupted\n")
+def _say_stopped(command: str, code: int) -> None:
+    """`nmt COMMAND: interrupted` (Ctrl-C) or `... terminated` (SIGTERM) on stderr."""
+    sys.stderr.write(f"nmt {command}: "
+                     f"{'terminated' if code == EXIT_TERMINATED else 'interrupted'}\n")
     sys.stderr.flush()
 
 
 def _exit_interrupted(command: str, code: int = EXIT_INTERRUPTED) -> None:
-    sys.stderr.write(f"nmt {command}: {'terminated' if code == EXIT_TERMINATED else 'interrupted'}"
-                     "\n")
-    sys.stderr.flush()
+    _say_stopped(command, code)
     os._exit(code)
 
 

@@ -49,7 +49,7 @@ from nmt.inference.search import (
     regroup,
     sample_decode,
 )
-from nmt.inference.workers import WorkerPool, fork_safe_threads
+from nmt.inference.workers import WorkerPool, check_workers, fork_safe_threads
 from nmt.precision import resolve_precision
 from nmt.special_ids import EOS_ID, PAD_ID
 
@@ -191,13 +191,8 @@ class Translator:
         if not paths:
             raise UsageError("no model given; pass -m MODEL (repeat it for an ensemble)")
         RuntimeConfig(device=device, precision=precision, weights=weights, seed=seed)
-        if workers < 1 or threads < 1:
-            raise UsageError(f"--workers and --threads-per-worker must be >= 1, got {workers} "
-                             f"and {threads}")
         dev = resolve_device(device)
-        if workers > 1 and dev.type != "cpu":
-            raise UsageError(f"--workers {workers}: worker processes decode on the CPU; on "
-                             f"{dev.type} use one worker")
+        check_workers(workers, threads, dev.type)  # before the model is loaded
         with fork_safe_threads() if workers > 1 else nullcontext():
             engine = cls._load(paths, cfg, dev, precision, max_src_len, seed, weights)
             if shortlist is not None:
@@ -314,12 +309,11 @@ class SeedSequence:
 def read_lines(source: BinaryIO) -> Iterator[bytes]:
     """Raw lines split on b"\\n" only (the newline removed); a last line without a final
     newline is still a line. Reads as it goes, so a terminal gets line-by-line service."""
-    for raw in iter(source.readline, b""):
-        yield raw[:-1] if raw.endswith(b"\n") else raw
+    return iter(LineReader(source))
 
 
 class LineReader:
-    """`read_lines` that can also say whether the next line is there already (`ready`),
+    """The lines of `read_lines`, and whether the next one is there already (`ready`),
     so that a translator with workers runs ahead while input keeps coming and answers
     before it would wait for more (a program that writes a line and reads its translation
     must get it). Reads with `read1` (what is there, up to 64 KiB) and checks the file

@@ -105,12 +105,7 @@ class WorkerPool:
     each. Use it as a context manager or call `close()`; see the module doc."""
 
     def __init__(self, engine: Engine, workers: int, threads: int) -> None:
-        if workers < 1 or threads < 1:
-            raise UsageError(f"workers and threads per worker must be >= 1, got {workers} "
-                             f"and {threads}")
-        if engine.device.type != "cpu":
-            raise UsageError(f"--workers {workers}: worker processes decode on the CPU; "
-                             f"on {engine.device.type} use one worker")
+        check_workers(workers, threads, engine.device.type)
         self.workers, self.threads = workers, threads
         self._lock = threading.Lock()
         self._queue: collections.deque[_Task] = collections.deque()
@@ -413,19 +408,25 @@ class WorkerPlan(NamedTuple):
     note: str
 
 
+def check_workers(workers: int | None, threads: int | None, device_type: str) -> None:
+    """UsageError unless `workers` and `threads` (None: not chosen) are >= 1 and several
+    workers are asked for only on a CPU."""
+    for name, value in (("--workers", workers), ("--threads-per-worker", threads)):
+        if value is not None and value < 1:
+            raise UsageError(f"{name} must be >= 1, got {value}")
+    if workers not in (None, 1) and device_type != "cpu":
+        raise UsageError(f"--workers {workers}: worker processes decode on the CPU; on "
+                         f"{device_type} use one worker")
+
+
 def plan_workers(workers: int | None, threads: int | None, device_type: str, cores: int,
                  latency: bool = False) -> WorkerPlan:
     """Fill in what the user left open (None). On a CPU, throughput wants every core as a
     one-thread worker (each decodes its own batches: docs/performance.md); `latency` (an
     interactive terminal, one line at a time) wants one worker with every core. Elsewhere
     (a GPU) one worker."""
-    for name, value in (("--workers", workers), ("--threads-per-worker", threads)):
-        if value is not None and value < 1:
-            raise UsageError(f"{name} must be >= 1, got {value}")
+    check_workers(workers, threads, device_type)
     if device_type != "cpu":
-        if workers not in (None, 1):
-            raise UsageError(f"--workers {workers}: worker processes decode on the CPU; on "
-                             f"{device_type} use one worker")
         return WorkerPlan(1, threads or torch.get_num_threads(), "")
     chosen = workers if workers is not None else (1 if latency else cores)
     per = threads if threads is not None else max(1, cores // chosen)
