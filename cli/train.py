@@ -15,6 +15,7 @@ field is a new flag with no edit here. The options below are the ones that are n
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import inspect
 import typing
 from collections.abc import Callable, Iterable
@@ -120,6 +121,14 @@ def command(
         help="Start a new run from this model (a checkpoint, checkpoint_best.pt or an "
         "average): same vocabulary (nmt bpe DATA --spm-from MODEL) and architecture.",
     ),
+    tensorboard: Path = typer.Option(
+        None,
+        "--tensorboard",
+        show_default="off",
+        help="Also write the log's scalars (loss, nll, ppl, lr, tokens/s, validation) and "
+        "the settings as TensorBoard event files to this folder (needs the tensorboard "
+        "package: pip install 'nmt[tensorboard]').",
+    ),
     reset_optimizer: bool = typer.Option(
         False,
         "--reset-optimizer",
@@ -175,6 +184,9 @@ def command(
             raise UsageError("--gpus needs --device cuda or auto; use --nproc for CPU")
         if nnodes > 1 and not rdzv_endpoint:
             raise UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT")
+        if tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
+            raise UsageError("--tensorboard needs the tensorboard package: pip install "
+                             "'nmt[tensorboard]' (or pip install tensorboard)")
         model_flags = {k: v for k, v in settings.items() if k in SETTABLE_MODEL_FIELDS}
         train_flags = {k: v for k, v in settings.items() if k not in SETTABLE_MODEL_FIELDS}
         model_cfg, train_cfg, sources = resolve(data, arch, model_flags, train_flags)
@@ -210,6 +222,7 @@ def command(
                 progress=RichTrainProgress(console),
                 init_from=init_from,
                 reset_optimizer=reset_optimizer,
+                tensorboard=tensorboard,
             )
         if summary.last_checkpoint is not None:
             console.print(

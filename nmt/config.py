@@ -21,7 +21,8 @@ DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")  # auto: CUDA when a GPU is v
 BEST_METRICS: dict[str, Literal["lower", "higher"]] = {
     "loss": "lower", "bleu": "higher", "chrf": "higher"}
 # Learning-rate schedules by name; their builders: nmt/train/schedule.py SCHEDULES.
-LR_SCHEDULES: tuple[str, ...] = ("inverse_sqrt",)  # the paper's (section 5.3)
+# inverse_sqrt: the paper's (section 5.3); the others decay to the end of the budget.
+LR_SCHEDULES: tuple[str, ...] = ("inverse_sqrt", "linear", "cosine", "wsd")
 FUSED_LOSS: tuple[str, ...] = ("auto", "on", "off")  # TrainConfig.fused_loss
 # Decoding also offers int8 (CPU only: int8 linear layers, see nmt/inference/int8_linear.py).
 DECODE_PRECISIONS: tuple[str, ...] = (*PRECISIONS, "int8")
@@ -133,9 +134,18 @@ class TrainConfig:
     # Optimiser and schedule (section 5.3): inverse sqrt with warmup, Adam(0.9, 0.98, 1e-9).
     lr_schedule: str = _setting(  # see LR_SCHEDULES
         "inverse_sqrt",
-        "Learning-rate schedule; inverse_sqrt: the paper's warm-up then 1/sqrt(step).")
+        "Learning-rate schedule; inverse_sqrt: the paper's warm-up then 1/sqrt(step); "
+        "linear, cosine, wsd: warm-up to the same peak, then down to --lr-final at the end "
+        "of the budget (--max-updates, --max-minutes or --max-epochs, whichever ends "
+        "first); wsd holds the peak until the last --decay-fraction of it.")
     lr_scale: float = _setting(
-        1.0, "Multiplies d_model^-0.5 * min(step^-0.5, step * warmup^-1.5).")
+        1.0, "Multiplies d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) (the peak, "
+        "lr_scale * d_model^-0.5 * warmup^-0.5, for every schedule).")
+    lr_final: float = _setting(
+        0.0, "linear/cosine/wsd: the learning rate at the end of the budget, as a "
+        "fraction of the peak.")
+    decay_fraction: float = _setting(
+        0.2, "wsd: the share of the budget after warm-up over which it decays.")
     warmup: int = _setting(4000, "Warm-up updates of the schedule.")
     adam_beta1: float = _setting(0.9, "Adam's beta1 (decay of the gradient average).")
     adam_beta2: float = _setting(0.98, "Adam's beta2 (decay of the squared gradient average).")
@@ -207,6 +217,9 @@ class TrainConfig:
         _check_probability("adam_beta1", self.adam_beta1)
         _check_probability("adam_beta2", self.adam_beta2)
         _check_probability("label_smoothing", self.label_smoothing)
+        _check_probability("lr_final", self.lr_final)
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise UsageError(f"decay-fraction must be in (0, 1], got {self.decay_fraction}")
         _check_probability("ema_decay", self.ema_decay)
         if self.lr_schedule not in LR_SCHEDULES:
             raise UsageError(f"unknown lr schedule {self.lr_schedule!r}; choose one of: "

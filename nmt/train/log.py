@@ -18,6 +18,14 @@ from typing import Any, Protocol, TextIO
 from nmt.fileio import atomic_output
 
 
+class RecordLog(Protocol):
+    """Where the trainer's log records go (JsonlLog; with --tensorboard a TeeLog)."""
+
+    def write(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class JsonlLog:
     """Appends one JSON object per line and flushes, so a crash loses at most one line.
 

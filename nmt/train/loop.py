@@ -78,13 +78,18 @@ from nmt.train.distributed import (
 from nmt.train.ema import WeightAverage
 from nmt.train.feed import Micro, TrainFeed, Update
 from nmt.train.init_from import check_init_from
-from nmt.train.log import JsonlLog, PlainReporter, TrainReporter, warn_line
+from nmt.train.log import JsonlLog, PlainReporter, RecordLog, TrainReporter, warn_line
 from nmt.train.loss import fused_loss_enabled
 from nmt.train.preempt import PreemptionWatch
 from nmt.train.prefetch import Prefetcher
 from nmt.train.readback import Pending, Readback
 from nmt.train.sampling import EpochBatches
-from nmt.train.schedule import build_optimizer, build_schedule, load_optimizer_state
+from nmt.train.schedule import (
+    build_optimizer,
+    build_schedule,
+    describe_schedule,
+    load_optimizer_state,
+)
 from nmt.train.state import (
     LAST,
     DataState,
@@ -103,6 +108,7 @@ from nmt.train.step import (
     nonfinite,
     train_step,
 )
+from nmt.train.tensorboard import TeeLog, TensorBoardLog
 from nmt.train.validate import validate
 
 
@@ -294,7 +300,7 @@ class _Launched:
 
     update: Update
     stats: Pending  # loss sum, NLL sum, [flags summed over ranks,] gradient norm
-    flags: list[float]  # this rank's save/stop/preempt flags (used as-is on one process)
+    flags: list[float]  # this rank's save/stop/preempt flags and elapsed seconds (rank 0)
     tgt_tokens: int  # target tokens of the update, all ranks
     src_tgt_tokens: int  # source + target tokens, all ranks
     found_inf: torch.Tensor | None  # deferred path: 1.0 on the device where not finite
@@ -321,10 +327,12 @@ class Trainer:
                  train_cfg: TrainConfig, device: str = "auto",
                  meta: dict[str, Any] | None = None,
                  progress: bool | TrainReporter = True,
-                 init_from: Path | None = None, reset_optimizer: bool = False) -> None:
+                 init_from: Path | None = None, reset_optimizer: bool = False,
+                 tensorboard: Path | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.run_dir = Path(run_dir)
         self.cfg = train_cfg
+        self.tensorboard = tensorboard  # also write TensorBoard events there
         self.env, self.device = self._join(device)
         try:  # a rank that fails here leaves the process group, or gloo aborts at exit
             self._set_up(data_dir, run_dir, model_cfg, train_cfg, meta, progress, init_from,
@@ -385,15 +393,22 @@ class Trainer:
                                                **_no_buffer_sync())
         self.corpora = corpus_ranges(self.data_dir)
         self.epoch_batches = self._build_batches()
+        self._epoch_sizes: dict[int, int] = {}  # epoch -> its number of batches
         self.feed = TrainFeed(self.train_data, self.epoch_batches, self.env, self.update_freq,
                               train_cfg.seed, train_cfg.max_epochs, self.device)
-        self.log: JsonlLog | None = None
+        self.log: RecordLog | None = None
         self.progress: TrainReporter | None = None
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             # A resumed run drops the records of updates it will redo (logged once each).
             self.log = JsonlLog(self.run_dir / "train_log.jsonl", resume_step=self.step,
                                 warn=self._warn)
+            if self.tensorboard is not None:
+                settings = {**{f"model.{k}": v for k, v in model_cfg.to_dict().items()},
+                            **train_cfg.to_dict(), "data": str(self.data_dir),
+                            "world_size": self.env.world_size}
+                self.log = TeeLog(self.log, TensorBoardLog(
+                    self.tensorboard, settings, resume_step=self.step, warn=self._warn))
             if progress is True:
                 self.progress = PlainReporter()
             elif progress is not False:
@@ -613,17 +628,19 @@ class Trainer:
         statistics to the host; nothing here waits for the device.
 
         The statistics (loss sum, NLL sum, rank 0's save/stop flags and any rank's
-        preemption flag, gradient norm) travel in one small tensor, all-reduced when
-        distributed: a flag any rank raised is raised for all. Time-based flags come from
-        rank 0 alone (ranks' clocks differ).
+        preemption flag, rank 0's elapsed seconds, gradient norm) travel in one small
+        tensor, all-reduced when distributed: a flag any rank raised is raised for all.
+        Time-based flags and the time the schedule follows come from rank 0 alone (ranks'
+        clocks differ; every rank must set the same learning rate).
         """
         cfg = self.cfg
+        elapsed = run.elapsed()
         want_save = (cfg.save_interval_minutes > 0
                      and time.perf_counter() - run.last_save >= cfg.save_interval_minutes * 60)
-        want_stop = cfg.max_minutes > 0 and run.elapsed() >= cfg.max_minutes * 60
+        want_stop = cfg.max_minutes > 0 and elapsed >= cfg.max_minutes * 60
         signalled = float(run.watch.requested is not None)
-        flags = ([float(want_save), float(want_stop), signalled] if self.env.is_main
-                 else [0., 0., signalled])
+        flags = ([float(want_save), float(want_stop), signalled, elapsed] if self.env.is_main
+                 else [0., 0., signalled, 0.])
         # Deferred: a save after the previous update must restore the RNG as it was
         # before this update's dropout, which runs before that save.
         rng_before = capture_rng(self.device) if self.deferred else None
@@ -733,6 +750,7 @@ class Trainer:
                   + f"; precision {self.precision} on {self.device.type}"
                   + (f" (slow: {self.precision_note})" if self.precision_note else "")
                   + (f"; resuming from update {self.step}" if self.step else ""))
+        self._say(describe_schedule(cfg, self.model_cfg.d_model))
         if self.progress is not None:
             self.progress.start(cfg.max_updates, self.step, cfg.max_minutes * 60,
                                 self.elapsed_before)
@@ -793,24 +811,25 @@ class Trainer:
         cfg, summary = self.cfg, run.summary
         values = launched.stats.values()  # the update's one host sync
         loss, nll, gnorm = values[0], values[1], values[-1]
-        save_flag, stop_flag, preempt_flag = (values[2:-1] if self.env.active
-                                              else launched.flags)
+        save_flag, stop_flag, preempt_flag, elapsed = (values[2:-1] if self.env.active
+                                                       else launched.flags)
         if preempt_flag:
             run.preempted = True
             save_flag = stop_flag = 1.0
         self.data_state = launched.update.after
         finite = math.isfinite(loss) and math.isfinite(gnorm)
         lr = self.schedule.lr
+        progress = self._progress(self.step + 1, elapsed)
         if self.deferred:
-            advance(self.schedule, self.ema, finite)
+            advance(self.schedule, self.ema, finite, progress)
         else:
             apply_update(self.optimizer, self.scaler, self.schedule, self.precision, finite,
-                         self.ema)
+                         self.ema, progress)
         self._count(run, finite, loss, nll, launched.tgt_tokens, launched.src_tgt_tokens)
         if self.progress is not None:
             self.progress.advance(self.step, run.elapsed())
         if finite and self.step % cfg.log_interval == 0:
-            self._log_train(run.window, lr, gnorm, run.elapsed(), summary)
+            self._log_train(run.window, lr, gnorm, run.elapsed(), progress, summary)
             run.window = _Window()
         if finite and self.step % cfg.valid_interval == 0:
             summary.valid = self._validate(run.elapsed())
@@ -825,6 +844,22 @@ class Trainer:
         elif save_flag:  # by time: with update-spaced saves, only insurance against a crash
             self._save_into(run, resume_only=bool(cfg.save_interval_updates))
         return bool(stop_flag)
+
+    def _progress(self, updates: int, elapsed: float) -> float:
+        """How much of the budget has passed after `updates` updates, `elapsed` seconds in
+        and at `self.data_state`: the largest share of --max-updates, --max-minutes and
+        --max-epochs (those set), at most 1. The budgeted schedules follow it."""
+        cfg = self.cfg
+        shares = [updates / cfg.max_updates]
+        if cfg.max_minutes > 0:
+            shares.append(elapsed / (cfg.max_minutes * 60))
+        if cfg.max_epochs > 0:
+            epoch, index = self.data_state.epoch, self.data_state.index
+            if index and epoch not in self._epoch_sizes:  # batched once per epoch
+                self._epoch_sizes[epoch] = max(len(self.epoch_batches.get(epoch).batches), 1)
+            within = index / self._epoch_sizes[epoch] if index else 0.0
+            shares.append((epoch - 1 + within) / cfg.max_epochs)
+        return min(max(shares), 1.0)
 
     def _count(self, run: _Run, finite: bool, loss: float, nll: float, tokens: int,
                st_tokens: int) -> None:
@@ -860,7 +895,9 @@ class Trainer:
         run.last_save = time.perf_counter()
 
     def _log_train(self, window: _Window, lr: float, gnorm: float, elapsed: float,
-                   summary: TrainSummary) -> None:
+                   progress: float, summary: TrainSummary) -> None:
+        """One train record: the window's statistics, the lr the update used and the
+        budget's `progress` after it (what sets the next update's lr)."""
         if not self.env.is_main or window.tokens == 0:
             return
         seconds = max(time.perf_counter() - window.start, 1e-9)
@@ -868,7 +905,8 @@ class Trainer:
         record = {
             "kind": "train", "step": self.step, "epoch": self.data_state.epoch,
             "loss": window.loss / window.tokens, "nll": nll, "ppl": math.exp(min(nll, 50.0)),
-            "lr": lr, "grad_norm": gnorm, "tokens_per_s": window.src_tgt_tokens / seconds,
+            "lr": lr, "progress": progress, "grad_norm": gnorm,
+            "tokens_per_s": window.src_tgt_tokens / seconds,
             "target_tokens": window.tokens, "updates": window.updates,
             # What an update really held (EOS included, no padding): --batch-tokens counts
             # padded slots of the longer side, so these come out below it.
@@ -927,8 +965,9 @@ class Trainer:
 def train(data_dir: Path, run_dir: Path, model_cfg: ModelConfig, train_cfg: TrainConfig,
           device: str = "auto", meta: dict[str, Any] | None = None,
           progress: bool | TrainReporter = True, init_from: Path | None = None,
-          reset_optimizer: bool = False) -> TrainSummary:
+          reset_optimizer: bool = False, tensorboard: Path | None = None) -> TrainSummary:
     """Train (or resume, if RUN/checkpoint_last.pt exists) and return where it stopped.
-    A new run starts from `init_from`'s model when given (fine-tuning)."""
+    A new run starts from `init_from`'s model when given (fine-tuning); with `tensorboard`
+    the log records also go there as TensorBoard events."""
     return Trainer(data_dir, run_dir, model_cfg, train_cfg, device, meta, progress,
-                   init_from, reset_optimizer).run()
+                   init_from, reset_optimizer, tensorboard).run()

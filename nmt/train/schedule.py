@@ -3,12 +3,23 @@ they drive.
 
 The paper's (section 5.3), `inverse_sqrt`: lr(step) = lr_scale * d_model^-0.5 *
 min(step^-0.5, step * warmup^-1.5), linear warm-up for `warmup` updates, then inverse
-square root decay. Steps count from 1. A new schedule is a class with the `Schedule`
-methods and one SCHEDULES entry (its name also in nmt.config.LR_SCHEDULES).
+square root decay. Steps count from 1. It assumes training runs as long as it takes.
+
+The budgeted ones know where training ends: `linear` (Li, Yumer and Ramanan, "Budgeted
+training", ICLR 2020: linear decay to the budget's end), `cosine` (Loshchilov and Hutter's
+SGDR without restarts) and `wsd` (warm-up, stable, decay: a constant peak, then a linear
+decay over the budget's last `decay_fraction`). All warm up linearly for `warmup` updates
+to the inverse-sqrt schedule's peak, lr_scale * d_model^-0.5 * warmup^-0.5 (so --lr-scale
+means the same for every schedule), then follow the budget's progress p in [0, 1] (the
+larger of updates / --max-updates, minutes / --max-minutes and epochs / --max-epochs, from
+the trainer), rebased to start at the end of warm-up, down to `final` x peak at p = 1.
+A new schedule is a class with the `Schedule` methods and one SCHEDULES entry (its name
+also in nmt.config.LR_SCHEDULES).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
@@ -45,8 +56,8 @@ class InverseSqrtSchedule:
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
 
-    def step(self) -> None:
-        """Call after each successful optimizer step."""
+    def step(self, progress: float = 0.0) -> None:
+        """Call after each successful optimizer step (`progress` is not used)."""
         self.step_count += 1
         self._apply()
 
@@ -61,25 +72,132 @@ class InverseSqrtSchedule:
         self._apply()
 
 
+def budget_factor(shape: str, q: float, final: float, decay_fraction: float = 0.2) -> float:
+    """The budgeted schedules' lr after warm-up as a fraction of the peak, at `q` in [0, 1],
+    the share of the budget after warm-up that has passed: 1 at q = 0, `final` at q = 1.
+    linear: straight down; cosine: half a cosine; wsd: 1 until 1 - `decay_fraction`, then
+    straight down."""
+    q = min(max(q, 0.0), 1.0)
+    if shape == "linear":
+        left = 1.0 - q
+    elif shape == "cosine":
+        left = 0.5 * (1.0 + math.cos(math.pi * q))
+    elif shape == "wsd":
+        left = min(1.0, (1.0 - q) / decay_fraction) if decay_fraction > 0 else float(q < 1)
+    else:
+        raise ValueError(f"unknown budgeted schedule {shape!r}")
+    return final + (1.0 - final) * left
+
+
+class BudgetSchedule:
+    """Warm-up to the peak, then `budget_factor(shape, ...)` of the budget's progress.
+
+    The trainer passes each update's progress p (see the module docstring) to `step`;
+    the lr it sets is the next update's. Warm-up ends at update `warmup`, at whatever
+    progress p_w that is (unknown in advance with a time budget): the decay then runs over
+    q = (p - p_w) / (1 - p_w), so the peak is reached whatever the budget. State: the
+    update count, p_w and the last p (so a resumed run goes on exactly)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, shape: str, d_model: int,
+                 warmup: int, lr_scale: float = 1.0, final: float = 0.0,
+                 decay_fraction: float = 0.2) -> None:
+        budget_factor(shape, 0.0, final, decay_fraction)  # refuses an unknown shape
+        self.optimizer, self.shape = optimizer, shape
+        self.warmup, self.final, self.decay_fraction = warmup, final, decay_fraction
+        self.peak = lr_scale * d_model ** -0.5 * warmup ** -0.5
+        self.step_count = 0
+        self.progress = 0.0  # of the last update
+        self.warmup_progress: float | None = None  # p_w, once warm-up has ended
+        self._apply()
+
+    @property
+    def lr(self) -> float:
+        """The lr the next optimizer step uses."""
+        if self.step_count < self.warmup:
+            return self.peak * (self.step_count + 1) / self.warmup
+        start = self.warmup_progress if self.warmup_progress is not None else self.progress
+        q = (self.progress - start) / (1.0 - start) if start < 1.0 else 1.0
+        return self.peak * budget_factor(self.shape, q, self.final, self.decay_fraction)
+
+    def _apply(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr
+
+    def step(self, progress: float = 0.0) -> None:
+        """Call after each successful optimizer step with the budget's `progress` then."""
+        self.step_count += 1
+        self.progress = min(max(progress, self.progress), 1.0)  # never backwards
+        if self.step_count == self.warmup:
+            self.warmup_progress = self.progress
+        self._apply()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain state for checkpoints."""
+        return {"step_count": self.step_count, "progress": self.progress,
+                "warmup_progress": self.warmup_progress, "shape": self.shape}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the update count and progress (the shape comes from the current config;
+        a checkpoint of another schedule gives only its update count)."""
+        self.step_count = int(state["step_count"])
+        self.progress = float(state.get("progress", 0.0))
+        warmup_progress = state.get("warmup_progress")
+        if warmup_progress is None and self.step_count >= self.warmup:
+            warmup_progress = self.progress if "progress" in state else 0.0
+        self.warmup_progress = None if warmup_progress is None else float(warmup_progress)
+        self._apply()
+
+
 class Schedule(Protocol):
-    """What the trainer needs of a schedule: the next lr, a step per successful update,
-    and plain state for checkpoints."""
+    """What the trainer needs of a schedule: the next lr, a step per successful update
+    (told the budget's progress then), and plain state for checkpoints."""
 
     @property
     def lr(self) -> float: ...
 
-    def step(self) -> None: ...
+    def step(self, progress: float = 0.0) -> None: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+BUDGETED = ("linear", "cosine", "wsd")  # the schedules that need a budget
+
+
+def _budgeted(shape: str) -> Callable[[torch.optim.Optimizer, int, TrainConfig], Schedule]:
+    """The SCHEDULES builder of the budgeted schedule `shape`."""
+    def build(optimizer: torch.optim.Optimizer, d_model: int, cfg: TrainConfig) -> Schedule:
+        return BudgetSchedule(optimizer, shape, d_model, cfg.warmup, cfg.lr_scale,
+                              cfg.lr_final, cfg.decay_fraction)
+    return build
+
+
 # name -> builder(optimizer, d_model, train config); the names are nmt.config.LR_SCHEDULES.
 SCHEDULES: dict[str, Callable[[torch.optim.Optimizer, int, TrainConfig], Schedule]] = {
     "inverse_sqrt": lambda optimizer, d_model, cfg: InverseSqrtSchedule(
         optimizer, d_model, cfg.warmup, cfg.lr_scale),
+    **{shape: _budgeted(shape) for shape in BUDGETED},
 }
+
+
+def describe_schedule(cfg: TrainConfig, d_model: int) -> str:
+    """The start-up line's words for the schedule and the budget it follows, e.g.
+    "lr schedule linear: warm-up 400 updates to 1.25e-03, then down to 0 at the end of
+    the budget (15 minutes or 100000 updates, whichever comes first)"."""
+    peak = cfg.lr_scale * d_model ** -0.5 * cfg.warmup ** -0.5
+    budget = [f"{cfg.max_minutes:g} minutes"] if cfg.max_minutes > 0 else []
+    budget += [f"{cfg.max_epochs} epochs"] if cfg.max_epochs > 0 else []
+    budget.append(f"{cfg.max_updates} updates")
+    limit = budget[0] if len(budget) == 1 else (
+        f"{', '.join(budget[:-1])} or {budget[-1]}, whichever comes first")
+    head = f"lr schedule {cfg.lr_schedule}: warm-up {cfg.warmup} updates to {peak:.3g}"
+    if cfg.lr_schedule not in BUDGETED:
+        return f"{head}, then 1/sqrt(update); budget {limit}"
+    final = f"{cfg.lr_final * peak:.3g}" if cfg.lr_final else "0"
+    hold = (f", held until the last {cfg.decay_fraction:g} of the budget"
+            if cfg.lr_schedule == "wsd" else "")
+    return f"{head}{hold}, then down to {final} at the end of the budget ({limit})"
 
 
 def build_schedule(optimizer: torch.optim.Optimizer, d_model: int, cfg: TrainConfig

@@ -112,17 +112,17 @@ def train_step(net: nn.Module, model: Transformer,
 
 def apply_update(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                  schedule: Schedule | None, precision: str, finite: bool,
-                 ema: WeightAverage | None = None) -> None:
+                 ema: WeightAverage | None = None, progress: float = 0.0) -> None:
     """Apply (or, not `finite`, skip) the update `train_step` prepared, decided on the
     host: the optimizer step (fp16: through the GradScaler, which skips overflowed steps
-    and adjusts its scale), gradients cleared, then on success the schedule and the weight
-    average advance."""
+    and adjusts its scale), gradients cleared, then on success the schedule (told the
+    budget's `progress`) and the weight average advance."""
     if precision == "fp16":
         _scaled_step(optimizer, scaler)
     elif finite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    advance(schedule, ema, finite)
+    advance(schedule, ema, finite, progress)
 
 
 def _scaled_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
@@ -180,11 +180,13 @@ def supports_device_skip(optimizer: torch.optim.Optimizer) -> bool:
         group.get("fused") for group in optimizer.param_groups)
 
 
-def advance(schedule: Schedule | None, ema: WeightAverage | None, finite: bool) -> None:
-    """After an applied (`finite`) update: the learning-rate schedule and the weight
-    average take their step; a skipped update moves neither."""
+def advance(schedule: Schedule | None, ema: WeightAverage | None, finite: bool,
+            progress: float = 0.0) -> None:
+    """After an applied (`finite`) update: the learning-rate schedule (told the budget's
+    `progress`, see nmt/train/schedule.py) and the weight average take their step; a
+    skipped update moves neither."""
     if finite:
         if schedule is not None:
-            schedule.step()
+            schedule.step(progress)
         if ema is not None:
             ema.update()

@@ -1,0 +1,112 @@
+"""Budgeted schedules in real `nmt train` runs: a time budget's learning rate follows the
+clock and reaches its final value at the budget's end within one update, also when the run
+is killed with SIGKILL and resumed (the budget counts training time saved in the
+checkpoint, so a resumed run ends where an uninterrupted one would)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from pathlib import Path
+
+import pytest
+from helpers.data import MODEL_FLAGS, multi30k_data
+from test_faults_train import _run_and_kill
+
+from nmt.checkpoint import load_checkpoint
+from nmt.train.log import read_jsonl
+from nmt.train.schedule import budget_factor
+
+BUDGET_MINUTES = 0.12  # 7.2 s of training: ~100-300 tiny updates on one thread
+WARMUP = 10
+LR_SCALE = 2.0
+FLAGS = ["--max-tokens", "512", "--warmup", str(WARMUP), "--lr-scale", str(LR_SCALE),
+         "--seed", "7", "--log-interval", "1", "--valid-interval", "100000",
+         "--save-interval-minutes", "0", "--save-interval-updates", "5", "--keep-last", "2",
+         "--max-minutes", str(BUDGET_MINUTES)]
+
+
+@pytest.fixture(scope="module")
+def m30k(tmp_path_factory) -> Path:
+    """300 real Multi30k pairs (+20 valid), joint BPE 400."""
+    return multi30k_data(tmp_path_factory.mktemp("m30k") / "data", n_train=300, n_valid=20,
+                         vocab_size=400)
+
+
+def _updates(run: Path) -> list[dict]:
+    """The train records of the run's log, one per update: where a killed run's updates
+    after its last save were done again, the resumed run's record."""
+    by_step = {r["step"]: r for r in read_jsonl(run / "train_log.jsonl")
+               if r.get("kind") == "train"}
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def _check_follows_the_clock(records: list[dict], shape: str) -> None:
+    """Every update's lr is the schedule's formula at the progress the previous update
+    left, that progress is the elapsed share of the budget, and the last update's lr is
+    within one update of the final value (0)."""
+    budget = BUDGET_MINUTES
+    peak = LR_SCALE * 64 ** -0.5 * WARMUP ** -0.5  # tiny: d_model 64
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+    assert len(records) > 3 * WARMUP, f"too few updates in the budget: {len(records)}"
+    warm_progress = records[WARMUP - 1]["progress"]
+    for before, record in itertools.pairwise(records):
+        k = record["step"]
+        if k <= WARMUP:
+            assert math.isclose(record["lr"], peak * k / WARMUP, rel_tol=1e-9)
+            continue
+        q = (before["progress"] - warm_progress) / (1 - warm_progress)
+        assert math.isclose(record["lr"], peak * budget_factor(shape, q, 0.0),
+                            rel_tol=1e-6, abs_tol=1e-12), record
+    for before, record in itertools.pairwise(records):
+        # the clock never restarts (a resumed run goes on from its saved training time)
+        assert record["elapsed_minutes"] >= before["elapsed_minutes"], record
+        # update k is launched after update k-1 was logged and logged after its launch
+        assert min(before["elapsed_minutes"] / budget, 1.0) - 1e-6 <= record["progress"] \
+            <= record["elapsed_minutes"] / budget + 1e-6, record
+    last, one_update = records[-1], max(
+        b["elapsed_minutes"] - a["elapsed_minutes"] for a, b in itertools.pairwise(records))
+    assert last["elapsed_minutes"] >= budget
+    assert last["progress"] == 1.0
+    # the last update's lr was set from the progress one update before the end
+    assert records[-2]["progress"] >= 1 - 2 * one_update / budget, (records[-2], one_update)
+    assert last["lr"] <= peak * 2 * one_update / budget / (1 - warm_progress) + 1e-12
+    assert last["lr"] < records[len(records) // 2]["lr"] / 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ["linear", "cosine"])
+def test_time_budget_decays_to_its_end(m30k, tmp_path, one_thread, nmt_cli, shape):
+    run = tmp_path / "run"
+    result = nmt_cli.run("train", str(m30k), "-o", str(run), *MODEL_FLAGS, *FLAGS,
+                         "--lr-schedule", shape)
+    assert result.returncode == 0, result.err
+    assert (f"lr schedule {shape}: warm-up {WARMUP} updates to " in result.err
+            and f"at the end of the budget ({BUDGET_MINUTES:g} minutes or 100000 updates, "
+            "whichever comes first)" in result.err), result.err
+    _check_follows_the_clock(_updates(run), shape)
+
+
+@pytest.mark.slow
+def test_time_budget_survives_kill_9_and_resume(m30k, tmp_path, one_thread, nmt_cli):
+    """Killed after its first saves and resumed twice: the log of the updates that count
+    follows the clock of the whole budget, and the training time saved in the checkpoint
+    carries over (the resumed run does not start the budget again)."""
+    run = tmp_path / "run"
+    args = ["train", str(m30k), "-o", str(run), *MODEL_FLAGS, *FLAGS, "--lr-schedule",
+            "linear"]
+    rng = random.Random(5)
+    saved_progress = []
+    for attempt in range(2):
+        killed, stderr = _run_and_kill(nmt_cli, args, tmp_path / f"stderr_{attempt}.txt", rng,
+                                       at_start=False)
+        assert killed, stderr
+        payload = load_checkpoint(run / "checkpoint_last.pt")
+        saved_progress.append(payload["scheduler"]["progress"])
+        assert 0 < payload["elapsed_seconds"] < BUDGET_MINUTES * 60
+    assert saved_progress[0] <= saved_progress[1] < 1.0
+    final = nmt_cli.run(*args)
+    assert final.returncode == 0, final.err
+    assert "resuming from update" in final.err
+    _check_follows_the_clock(_updates(run), "linear")
