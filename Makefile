@@ -23,7 +23,7 @@ NMT := $(VENV)/bin/nmt
 AVX2_ENV := ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
 	FBGEMM_ENABLE_INSTRUCTIONS=AVX2 CT2_FORCE_CPU_ISA=AVX2
 
-.PHONY: demo install test
+.PHONY: demo install test gpu-visit-files
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -51,3 +51,18 @@ demo: install
 	@echo "model:       $(RUN)/average.pt (checkpoints and train_log.jsonl in $(RUN)/)"
 	@echo "translation: $(RUN)/test.hyp  (source $(DATA)/test.src, reference $(DATA)/test.tgt)"
 	@echo "scores:      $(RUN)/test.score"
+
+# `make gpu-visit-files`: what a GPU visit needs that the lent machine lacks (no network
+# there), into the git-ignored bench/gpu_visit/ that `run(carry=["bench/gpu_visit"])` takes
+# along: wheels of sacremoses and its dependencies for the machine's Python 3.12, and a copy
+# of the shared data (Multi30k; newstest2014 for the beam-search bench). Then, on the GPU:
+# python3 bench/gpu_session.py (see its docstring).
+GPU_PY ?= 3.12
+gpu-visit-files:
+	mkdir -p bench/gpu_visit/wheels bench/gpu_visit/shared/multi30k bench/gpu_visit/shared/wmt14
+	$(PYTHON) -m pip download -q --only-binary=:all: --python-version $(GPU_PY) \
+		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+		-d bench/gpu_visit/wheels sacremoses
+	cp ../shared/data/multi30k/* bench/gpu_visit/shared/multi30k/
+	cp ../shared/data/wmt14/newstest2014.* bench/gpu_visit/shared/wmt14/
+	du -sh bench/gpu_visit

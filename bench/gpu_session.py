@@ -1,0 +1,250 @@
+"""One GPU visit in one command: install onto the machine's own torch, then each step of
+issue 31 with its own time cap, everything written under --out as it goes.
+
+On the lent GPU machine (no network, its own Python and torch), from the checkout root:
+
+    python3 bench/gpu_session.py                      # steps a-c, the first visit
+    python3 bench/gpu_session.py --only speed,quality # steps d-e, a second visit
+    python3 bench/gpu_session.py --dry-run            # CPU, toy sizes: what CI runs
+
+Before the visit, on the CPU side, `make gpu-visit-files` fills the git-ignored
+`bench/gpu_visit/` (carry it: `run(carry=["bench/gpu_visit"])`): wheels of what the machine
+lacks (sacremoses and its dependencies, for Python 3.12) and a copy of the shared data
+(Multi30k, newstest2014), found there through NMT_SHARED_DATA.
+
+Steps (names for --only; `first` = tests,check,train, `second` = speed,quality):
+  tests    a. `pytest -m gpu` (the CUDA tests)
+  check    b. bench/gpu_check.py (training bf16/fp16 vs CPU fp32, resume after SIGKILL,
+              translation at every precision, decoding modes, host-sync census, big memory,
+              the 8-GPU shape, --gpus 2), with fewer updates and lines than its defaults
+  train    c. bench/gpu_train_speed.py: base and big, the 1-GPU and 8-GPU shapes, reference
+              and fused loss, eager and --compile, peak memory, MFU against the bf16 matmul
+              peak it measures
+  speed    d. bench/gpu_translate_speed.py: beam search on CUDA, bf16 and fp32
+  quality  e. the Multi30k recipe for --quality-minutes on CUDA, averaged, test2016 BLEU
+Each step's output goes to OUT/<step>.log, one JSON line per step to OUT/steps.jsonl
+(rc, seconds, timed out), and the end prints where each minute went. A step that hangs
+costs its cap, not the visit; --budget-s (default 6 minutes) caps the whole visit, cutting
+the last steps' caps and skipping what no longer fits, so a second visit after a fix fits
+the device time left. Correctness first, then speed, then quality. The dry run reports
+GPU-only figures as n/a (the benches' own dry modes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+VISIT = REPO / "bench" / "gpu_visit"  # git-ignored: wheels/ and shared/ for the machine
+PY = sys.executable
+GROUPS = {"first": ["tests", "check", "train"], "second": ["speed", "quality"]}
+STEPS = ("install", "tests", "check", "train", "speed", "quality")
+
+
+@dataclass
+class Step:
+    """One capped command of the visit."""
+
+    name: str
+    argv: list[str]
+    cap_s: int
+    env: dict[str, str] | None = None
+
+
+def shared_data() -> Path:
+    """Where the shared data is: NMT_SHARED_DATA, else the visit copy, else ../shared."""
+    if "NMT_SHARED_DATA" in os.environ:
+        return Path(os.environ["NMT_SHARED_DATA"])
+    if (VISIT / "shared" / "multi30k").is_dir():
+        return VISIT / "shared"
+    return REPO.parent / "shared" / "data"
+
+
+def install_step() -> Step | None:
+    """pip install of this checkout onto the running Python's torch, no network: the
+    missing wheels from bench/gpu_visit/wheels. None when nmt and sacremoses import."""
+    if importlib.util.find_spec("nmt") and importlib.util.find_spec("sacremoses") \
+            and importlib.util.find_spec("cli"):
+        return None
+    wheels = VISIT / "wheels"
+    script = (f"{shlex.quote(PY)} -m pip install -q --no-index --find-links "
+              f"{shlex.quote(str(wheels))} sacremoses && {shlex.quote(PY)} -m pip install -q "
+              f"--no-index --no-deps --no-build-isolation -e {shlex.quote(str(REPO))}")
+    return Step("install", ["bash", "-c", script], 120)
+
+
+def steps(only: list[str], dry: bool, out: Path, quality_minutes: float) -> list[Step]:
+    """The visit's commands, in order, with their caps (seconds; dry run: CPU toy sizes)."""
+    data = out / "data"  # Multi30k prepared once by the check, reused by quality
+    plan: list[Step] = []
+    if "tests" in only:
+        plan.append(Step("tests", [PY, "-m", "pytest", "-m", "gpu", "-q", "-x", "-p",
+                                   "no:cacheprovider"], 120))
+    if "check" in only:
+        sizes = ["--dry-run"] if dry else ["--updates", "300", "--lines", "500"]
+        plan.append(Step("check", [PY, "bench/gpu_check.py", *sizes, "--out",
+                                   str(out / "gpu_check"), "--data", str(data)], 240))
+    if "train" in only:
+        plan.append(Step("matmul_peak", [PY, "-c", PEAK_CODE, "1024" if dry else "8192"], 60))
+        common = ["--smoke"] if dry else ["--steps", "8", "--warmup", "3"]
+        for arch in ("base", "big"):
+            for gpus in ("1", "8"):
+                plan.append(Step(f"train_{arch}_{gpus}gpu", [
+                    PY, "bench/gpu_train_speed.py", "--arch", arch, "--gpus", gpus,
+                    "--loss", "both", *common], 60 if not dry else 120))
+        plan.append(Step("train_base_1gpu_compile", [
+            PY, "bench/gpu_train_speed.py", "--arch", "base", "--compile", *common],
+            90 if not dry else 300))  # inductor's C++ build: ~100 s on a 2-core CPU
+    if "speed" in only:
+        speed = ["--smoke"] if dry else ["--random-arch", "base", "--precisions", "bf16,fp32"]
+        plan.append(Step("speed", [PY, "bench/gpu_translate_speed.py", *speed], 150))
+    if "quality" in only:
+        minutes = 0.2 if dry else quality_minutes
+        device = "cpu" if dry else "cuda"
+        run = out / "quality"
+        nmt = [PY, "-m", "cli.main"]
+        script = " && ".join(shlex.join(cmd) for cmd in [
+            [*nmt, "train", str(data), "-o", str(run), "--device", device,
+             "--max-minutes", str(minutes), "--save-interval-minutes", str(minutes / 6)],
+            [*nmt, "average", str(run), "--last", "5", "-o", str(run / "average.pt")],
+            [*nmt, "translate", "-m", str(run / "average.pt"), "--device", device,
+             "-i", str(data / "test.src"), "-o", str(run / "test.hyp")],
+            [*nmt, "score", "--ref", str(data / "test.tgt"), "-i", str(run / "test.hyp"),
+             "--metrics", "bleu,chrf"]])
+        if not (data / "bin").is_dir():  # the check step prepares it; alone, prepare here
+            prep = " && ".join(shlex.join(cmd) for cmd in [
+                [*nmt, "prep", "multi30k-en-de", "-o", str(data), "--mirror",
+                 str(shared_data() / "multi30k")], [*nmt, "bpe", str(data)]])
+            script = f"{prep} && {script}"
+        plan.append(Step("quality", ["bash", "-c", script], int(minutes * 60) + 120))
+    return plan
+
+
+# Times an N^3 bf16 matmul on the device (CUDA, else CPU) after a warm-up: the measured
+# dense bf16 peak that the training MFU is reported against. Prints one JSON line.
+PEAK_CODE = """
+import json, sys, time, torch
+n = int(sys.argv[1])
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+for _ in range(3):
+    a @ b
+sync()
+reps = 20 if dev == "cuda" else 2
+start = time.perf_counter()
+for _ in range(reps):
+    a @ b
+sync()
+seconds = (time.perf_counter() - start) / reps
+name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+print(json.dumps({"matmul": f"{n}^3 bf16", "device": name, "torch": torch.__version__,
+                  "cuda": torch.version.cuda, "tflops": round(2 * n ** 3 / seconds / 1e12, 1)}))
+"""
+
+
+def measured_peak(out: Path) -> float | None:
+    """The TFLOP/s the matmul_peak step printed (its log's last JSON line), else None."""
+    log = out / "matmul_peak.log"
+    for line in reversed(log.read_text(encoding="utf-8").splitlines() if log.is_file()
+                         else []):
+        if line.startswith("{"):
+            return float(json.loads(line)["tflops"]) or None
+    return None
+
+
+def run_step(step: Step, out: Path, record: Path) -> dict[str, object]:
+    """Run one capped step, its output to OUT/<name>.log; append and return its record."""
+    log = out / f"{step.name}.log"
+    start = time.perf_counter()
+    timed_out = False
+    with log.open("w", encoding="utf-8") as sink:
+        sink.write(f"$ {shlex.join(step.argv)}\n")
+        sink.flush()
+        proc = subprocess.Popen(step.argv, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(step.env or {})},
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=step.cap_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(proc.pid, 9)
+            rc = proc.wait()
+    result = {"step": step.name, "rc": rc, "seconds": round(time.perf_counter() - start, 1),
+              "cap_s": step.cap_s, "timed_out": timed_out, "log": str(log)}
+    with record.open("a", encoding="utf-8") as sink:
+        sink.write(json.dumps(result) + "\n")
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU, toy sizes (GPU-only figures n/a): what CI runs")
+    parser.add_argument("--only", default="first",
+                        help="comma-separated steps or groups: " + ", ".join(STEPS[1:])
+                        + "; first = tests,check,train; second = speed,quality")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "gpu_session")
+    parser.add_argument("--quality-minutes", type=float, default=3.0)
+    parser.add_argument("--budget-s", type=float, default=360.0,
+                        help="the whole visit's command time: each step's cap is cut to what "
+                        "is left, and a step with under 15 s left is skipped (default 6 min)")
+    opts = parser.parse_args()
+    only: list[str] = []
+    for name in (n.strip() for n in opts.only.split(",") if n.strip()):
+        only += GROUPS.get(name, [name])
+    unknown = sorted(set(only) - set(STEPS[1:]))
+    if unknown or not only:
+        parser.error(f"--only: unknown {', '.join(unknown) or '(none)'}")
+    opts.out.mkdir(parents=True, exist_ok=True)
+    record = opts.out / "steps.jsonl"
+    record.unlink(missing_ok=True)
+    os.environ.setdefault("NMT_SHARED_DATA", str(shared_data()))
+    visit_start = time.perf_counter()
+    results = []
+    install = install_step()
+    if install is not None:
+        results.append(run_step(install, opts.out, record))
+        if results[-1]["rc"] != 0:
+            print("gpu_session: install failed; see its log", file=sys.stderr)
+            return 1
+    for step in steps(only, opts.dry_run, opts.out, opts.quality_minutes):
+        left = opts.budget_s - (time.perf_counter() - visit_start)
+        if left < 15:
+            skipped = {"step": step.name, "rc": None, "skipped": "out of --budget-s"}
+            with record.open("a", encoding="utf-8") as sink:
+                sink.write(json.dumps(skipped) + "\n")
+            print(json.dumps(skipped), flush=True)
+            results.append({**skipped, "seconds": 0.0, "timed_out": False})
+            continue
+        step.cap_s = int(min(step.cap_s, left))
+        peak = measured_peak(opts.out)
+        if step.name.startswith("train_") and peak and not opts.dry_run:
+            step.argv += ["--peak-tflops", str(peak)]  # MFU against the measured peak
+        results.append(run_step(step, opts.out, record))
+    total = time.perf_counter() - visit_start
+    print("\nwhere the time went:")
+    for r in results:
+        mark = (" skipped (budget)" if r["rc"] is None else " TIMED OUT" if r["timed_out"]
+                else "" if r["rc"] == 0 else f" rc {r['rc']}")
+        print(f"  {r['step']:<26} {r['seconds']:7.1f} s{mark}")
+    print(f"  {'total':<26} {total:7.1f} s")
+    failed = [r["step"] for r in results if r["rc"] not in (0, None)]
+    print(json.dumps({"bench": "gpu_session", "dry_run": opts.dry_run, "total_s":
+                      round(total, 1), "failed": failed, "steps": results}))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

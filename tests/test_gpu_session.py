@@ -1,0 +1,54 @@
+"""bench/gpu_session.py, the one-command GPU visit: its dry run (CPU, toy sizes) runs every
+step to the end, so the visit cannot rot between GPU sessions; the budget skips what does
+not fit; a bad --only is a usage error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "bench" / "gpu_session.py"
+
+
+def _session(tmp_path: Path, *args: str, shared: Path | None = None,
+             timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    if shared is not None:
+        env["NMT_SHARED_DATA"] = str(shared)
+    return subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "out"), *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_dry_run_runs_every_step(tmp_path, multi30k_dir):
+    result = _session(tmp_path, "--dry-run", "--only", "first,second", "--budget-s", "900",
+                      shared=multi30k_dir.parent)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps = [json.loads(line) for line in
+             (tmp_path / "out" / "steps.jsonl").read_text().splitlines()]
+    names = [s["step"] for s in steps]
+    assert names[:3] == ["tests", "check", "matmul_peak"] and names[-2:] == ["speed", "quality"]
+    assert {"train_base_1gpu", "train_big_8gpu", "train_base_1gpu_compile"} <= set(names)
+    assert all(s["rc"] == 0 and not s["timed_out"] for s in steps), steps
+    assert "where the time went:" in result.stdout
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["bench"] == "gpu_session" and summary["failed"] == []
+    score = (tmp_path / "out" / "quality.log").read_text()
+    assert "BLEU = " in score and "chrF2 = " in score
+
+
+def test_budget_skips_what_does_not_fit_and_bad_only_is_refused(tmp_path):
+    result = _session(tmp_path, "--dry-run", "--only", "tests,speed", "--budget-s", "10")
+    assert result.returncode == 0, result.stderr
+    steps = [json.loads(line) for line in
+             (tmp_path / "out" / "steps.jsonl").read_text().splitlines()]
+    assert [(s["step"], s["rc"], s.get("skipped")) for s in steps] == [
+        ("tests", None, "out of --budget-s"), ("speed", None, "out of --budget-s")]
+    bad = _session(tmp_path, "--only", "tests,warp")
+    assert bad.returncode == 2 and "--only: unknown warp" in bad.stderr
