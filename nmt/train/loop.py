@@ -320,6 +320,16 @@ class _Window:
     start: float = field(default_factory=time.perf_counter)
 
 
+
+def _warner(progress: TrainReporter | None) -> Callable[[str], None]:
+    """A warning on stderr, through the progress bar when there is one."""
+    def warn(text: str) -> None:
+        if progress is not None:
+            progress.message(f"warning: {text}")
+        else:
+            warn_line(text)
+    return warn
+
 class Trainer:
     """Holds the model, optimiser and data of one run; `run()` trains to the limits."""
 
@@ -399,20 +409,24 @@ class Trainer:
         self.log: RecordLog | None = None
         self.progress: TrainReporter | None = None
         if self.env.is_main:
+            if progress is True:
+                self.progress = PlainReporter()
+            elif progress is not False:
+                self.progress = progress
+            # The logs warn through the reporter, not through a bound method of the Trainer:
+            # that cycle kept the memory-mapped data (8 open files) alive after the run
+            # returned, until the garbage collector's next full pass.
+            warn = _warner(self.progress)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             # A resumed run drops the records of updates it will redo (logged once each).
             self.log = JsonlLog(self.run_dir / "train_log.jsonl", resume_step=self.step,
-                                warn=self._warn)
+                                warn=warn)
             if self.tensorboard is not None:
                 settings = {**{f"model.{k}": v for k, v in model_cfg.to_dict().items()},
                             **train_cfg.to_dict(), "data": str(self.data_dir),
                             "world_size": self.env.world_size}
                 self.log = TeeLog(self.log, TensorBoardLog(
-                    self.tensorboard, settings, resume_step=self.step, warn=self._warn))
-            if progress is True:
-                self.progress = PlainReporter()
-            elif progress is not False:
-                self.progress = progress
+                    self.tensorboard, settings, resume_step=self.step, warn=warn))
 
     def _join(self, device: str) -> tuple[DistEnv, torch.device]:
         """Join the process group (under torchrun) and pick this process's device."""
@@ -615,10 +629,7 @@ class Trainer:
 
     def _warn(self, text: str) -> None:
         """A warning on stderr, through the progress bar when there is one."""
-        if self.progress is not None:
-            self.progress.message(f"warning: {text}")
-        else:
-            warn_line(text)
+        _warner(self.progress)(text)
 
     # ----- one update -----
 

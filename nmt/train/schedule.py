@@ -35,6 +35,12 @@ def inverse_sqrt_lr(step: int, d_model: int, warmup: int, lr_scale: float = 1.0)
     return lr_scale * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
 
 
+def peak_lr(d_model: int, warmup: int, lr_scale: float = 1.0) -> float:
+    """The inverse-sqrt schedule's highest rate, at the end of warm-up: where every
+    budgeted schedule's warm-up goes too, so `lr_scale` means the same for all of them."""
+    return lr_scale * d_model ** -0.5 * warmup ** -0.5
+
+
 class InverseSqrtSchedule:
     """Sets every param group's lr for the next update; state is just the update count."""
 
@@ -104,7 +110,7 @@ class BudgetSchedule:
         budget_factor(shape, 0.0, final, decay_fraction)  # refuses an unknown shape
         self.optimizer, self.shape = optimizer, shape
         self.warmup, self.final, self.decay_fraction = warmup, final, decay_fraction
-        self.peak = lr_scale * d_model ** -0.5 * warmup ** -0.5
+        self.peak = peak_lr(d_model, warmup, lr_scale)
         self.step_count = 0
         self.progress = 0.0  # of the last update
         self.warmup_progress: float | None = None  # p_w, once warm-up has ended
@@ -185,7 +191,7 @@ def describe_schedule(cfg: TrainConfig, d_model: int) -> str:
     """The start-up line's words for the schedule and the budget it follows, e.g.
     "lr schedule linear: warm-up 400 updates to 1.25e-03, then down to 0 at the end of
     the budget (15 minutes or 100000 updates, whichever comes first)"."""
-    peak = cfg.lr_scale * d_model ** -0.5 * cfg.warmup ** -0.5
+    peak = peak_lr(d_model, cfg.warmup, cfg.lr_scale)
     budget = [f"{cfg.max_minutes:g} minutes"] if cfg.max_minutes > 0 else []
     budget += [f"{cfg.max_epochs} epochs"] if cfg.max_epochs > 0 else []
     budget.append(f"{cfg.max_updates} updates")
