@@ -77,7 +77,8 @@ def command(
                                help="auto | cpu | cuda."),
     precision: str = typer.Option(_R.precision, "--precision", show_default=True,
                                   help="auto | fp32 | bf16 | fp16 | int8 model weights "
-                                  "(int8: CPU only, int8 linear layers, see README). auto: bf16 "
+                                  "(int8: CPU only, int8 linear layers, see "
+                                  "docs/inference.md). auto: bf16 "
                                   "where the CPU (AVX512-BF16/AMX) or GPU computes it "
                                   "natively (fp16 on pre-Ampere GPUs), else fp32; as "
                                   "`train` does. Outputs may differ from fp32 in rounding "

@@ -1,6 +1,6 @@
 """Frozen configuration dataclasses: the one place every default lives.
 
-Defaults are the paper's (Vaswani et al. 2017, see PAPER.md); a recipe overrides them, and
+Defaults are the paper's (Vaswani et al. 2017, see docs/design.md); a recipe overrides them, and
 CLI flags override the recipe. `ModelConfig` is stored in every checkpoint and is enough to
 rebuild the model.
 """

@@ -1,4 +1,4 @@
-"""The dependency rules of the design notes (shared/docs/DESIGN.md and nmt/__init__.py), read
+"""The dependency rules of the design notes (docs/design.md and nmt/__init__.py), read
 from the source with `ast`: every import of every module, lazy ones inside functions included.
 
 - `cli -> nmt` only: the library never imports the CLI or its frameworks.

@@ -21,7 +21,7 @@ caps the kernels at AVX2 on a VNNI machine).
 The output projection (the shared embedding matrix, vocab x d_model) is int8 too unless
 `NMT_INT8_OUTPUT=0`, which keeps it in float32 (packed for oneDNN as in
 nmt/inference/packed_linear.py): it is the largest matmul, and its quality cost is measured in
-README.md. The model is inference-only afterwards (the int8 weights are snapshots, not
+docs/inference.md. The model is inference-only afterwards (the int8 weights are snapshots, not
 parameters, not in `state_dict()`).
 
 The kernels are reached through the quantized-tensor API that torch marks as deprecated,

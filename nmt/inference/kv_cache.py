@@ -23,7 +23,8 @@ our own: on CPU the translator keeps glibc from unmapping freed blocks
 (nmt/host_memory.py), so the next batch's caches land on pages already mapped. (A pool
 kept here until 2026-11 carved new buffers from old ones of other shapes: it touched fresh
 pages anyway and grew without bound, 1.1 GB after 10 batches; without it a long input
-translates 20 % faster at fp32 and 28 % at int8, and the memory stays flat: see README.)
+translates 20 % faster at fp32 and 28 % at int8, and the memory stays flat: see
+docs/performance.md.)
 
 Tensor bookkeeping only: the sizes come from the cross-attention K/V the caller computed;
 capacities never exceed `limit`, the model's positions (see nmt/inference/decoding.py).
