@@ -394,8 +394,8 @@ def check_shape_8gpu(setup: Setup) -> Check:
     smoke at the same ratio (tiny, 1 x 292 tokens), CPU figures only. The expected shape
     is re-derived from the bench's own WMT-like lengths (`shape_lengths`)."""
     from nmt.config import TrainConfig
+    from nmt.data.batch_tokens import derive_batching
     from nmt.data.recipes import load_recipe
-    from nmt.train.loop import derive_batching
 
     sys.path.insert(0, str(REPO / "bench"))
     from gpu_train_speed import shape_lengths
@@ -489,9 +489,9 @@ def check_torchrun(setup: Setup, runs: Path) -> Check:
 
     from nmt.checkpoint import load_model
     from nmt.config import TrainConfig
+    from nmt.data.batch_tokens import derive_batching
     from nmt.data.dataset import ParallelData
     from nmt.train.log import read_jsonl
-    from nmt.train.loop import derive_batching
 
     plan = torchrun_plan(setup.dry, torch.cuda.device_count() if not setup.dry else 0)
     run = runs / "torchrun"

@@ -80,13 +80,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nmt.config import TrainConfig, model_preset  # noqa: E402
+from nmt.data.batch_tokens import derive_batching  # noqa: E402
 from nmt.data.batching import Batch, batch_by_tokens, collate  # noqa: E402
 from nmt.data.recipes import load_recipe  # noqa: E402
 from nmt.device import allow_tf32, resolve_device  # noqa: E402
 from nmt.model.transformer import Transformer  # noqa: E402
 from nmt.precision import grad_scaler  # noqa: E402
 from nmt.train.feed import to_device  # noqa: E402
-from nmt.train.loop import derive_batching  # noqa: E402
 from nmt.train.loss import (  # noqa: E402
     DEFAULT_CHUNK_ROWS,
     fused_loss_enabled,

@@ -220,10 +220,10 @@ def test_preempted_deferred_run_resumes_exactly(copy_data, tmp_path, monkeypatch
 
     real_settle = loop.Trainer._settle
 
-    def settle(self, launched, run):
+    def settle(self, launched, run, rng):
         if self.step == 5:  # settling update 6
             os.kill(os.getpid(), signal.SIGTERM)
-        return real_settle(self, launched, run)
+        return real_settle(self, launched, run, rng)
 
     monkeypatch.setattr(loop.Trainer, "_settle", settle)
     run = tmp_path / "cut"

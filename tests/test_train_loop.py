@@ -17,10 +17,11 @@ import nmt.train.loop as loop
 import nmt.train.step as step
 from nmt.checkpoint import load_checkpoint
 from nmt.config import TrainConfig, model_preset
+from nmt.data.batch_tokens import FillMeter, derive_batching
 from nmt.data.batching import batch_by_tokens
 from nmt.errors import CheckpointError, TrainingAborted
 from nmt.train.log import read_jsonl
-from nmt.train.loop import FillMeter, derive_batching, train
+from nmt.train.loop import train
 
 
 @pytest.fixture(scope="module")

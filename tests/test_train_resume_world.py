@@ -26,9 +26,10 @@ import torch
 from helpers.data import make_copy_data
 
 from nmt.config import TrainConfig, model_preset
+from nmt.data.batch_tokens import derive_batching
 from nmt.data.dataset import ParallelData
 from nmt.train.log import PlainReporter, read_jsonl
-from nmt.train.loop import derive_batching, train
+from nmt.train.loop import train
 from nmt.train.state import capture_rng, restore_rng
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,18 +101,18 @@ def world_worker(rank: int, world: int, port: int, data: str, run: str, updates:
                  ) -> None:
     """One process of a run of `world` processes to `updates` updates; its start-up
     messages go to stderr (rank 0 prints them)."""
-    import nmt.train.loop
+    import nmt.train.distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    real_ddp = nmt.train.loop.DistributedDataParallel
+    real_ddp = nmt.train.distributed.DistributedDataParallel
 
     def ddp(*args: object, **kwargs: object) -> object:  # how the trainer wraps the model
         print("DDP", sorted(kwargs.items()), file=sys.stderr)
         return real_ddp(*args, **kwargs)
 
-    nmt.train.loop.DistributedDataParallel = ddp  # type: ignore[misc]
+    nmt.train.distributed.DistributedDataParallel = ddp  # type: ignore[misc]
     train(data, run, MODEL, _cfg(updates), "cpu", progress=PlainReporter(sys.stderr))
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import hashlib
+import inspect
 import os
 import sys
 from collections.abc import Iterator
@@ -28,11 +30,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
+from nmt.config import ModelConfig, TrainConfig
 from nmt.errors import DistributedError, Preempted
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from nmt.data.dataset import ParallelData
 
 
 @dataclass(frozen=True)
@@ -137,6 +143,67 @@ def gather_objects(env: DistEnv, obj: Any) -> list[Any]:
     out: list[Any] = [None] * env.world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+def fingerprint(model_cfg: ModelConfig, cfg: TrainConfig, precision: str,
+                device: torch.device, deferred: bool, train: ParallelData,
+                valid: ParallelData | None, vocab_proto: bytes) -> dict[str, Any]:
+    """What every rank must see alike: resolved settings and precision, data sizes,
+    vocabulary. Another DATA, recipe, flag or GPU type on one node would otherwise take
+    a different sequence of collectives (a hang until the timeout) or mix fp16 and
+    bf16 gradients silently."""
+
+    def sizes(data: ParallelData | None) -> list[int] | None:
+        if data is None:
+            return None
+        return [len(data), int(data.src.lengths.sum()), int(data.tgt.lengths.sum())]
+
+    return {
+        "model config": model_cfg.to_dict(), "settings": cfg.to_dict(),
+        "precision": precision, "device type": device.type,
+        # The two paths order their collectives differently (NMT_DEFER_STATS).
+        "statistics read": "deferred" if deferred else "in-line",
+        "train split (pairs, source tokens, target tokens)": sizes(train),
+        "valid split (pairs, source tokens, target tokens)": sizes(valid),
+        "vocabulary sha256": hashlib.sha256(vocab_proto).hexdigest(),
+    }
+
+
+def check_ranks_agree(env: DistEnv, mine: dict[str, Any]) -> None:
+    """Compare every rank's `fingerprint` with rank 0's; the first difference stops every
+    rank at once with one line naming the rank and what differs (exit 8)."""
+    prints = gather_objects(env, mine)
+    for rank, other in enumerate(prints[1:], start=1):
+        for key, value in other.items():
+            first = prints[0][key]
+            if value == first:
+                continue
+            if isinstance(value, dict) and isinstance(first, dict):
+                field_ = next(k for k in sorted(set(value) | set(first))
+                              if value.get(k) != first.get(k))
+                key, value, first = f"{key}: {field_}", value.get(field_), first.get(field_)
+            raise DistributedError(
+                f"rank {rank} differs from rank 0 in its {key} ({value!r} vs {first!r}); "
+                "every rank must see the same DATA, recipe, flags and GPU type")
+
+
+def data_parallel(model: torch.nn.Module, env: DistEnv, device: torch.device
+                  ) -> torch.nn.Module:
+    """`model` itself in a single process, else wrapped in DDP. The only buffers are the
+    fixed sinusoid tables (and cached masks): nothing to broadcast every forward.
+    Gradients live in DDP's buckets (no second copy)."""
+    if not env.active:
+        return model
+    ids = [device.index] if device.type == "cuda" else None
+    # `forward_sync_buffers` where torch has it (it deprecated `broadcast_buffers` in 2.13,
+    # with a FutureWarning on every rank), else `broadcast_buffers` (asked of the class
+    # itself, not of whatever wraps the name). Buffers still agree at start either way:
+    # every rank builds the same sinusoid tables.
+    params = inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
+    no_sync = "forward_sync_buffers" if "forward_sync_buffers" in params \
+        else "broadcast_buffers"
+    return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True,
+                                   **{no_sync: False})
 
 
 LAUNCH_FLAGS = ("--gpus", "--nproc", "--nnodes", "--rdzv-endpoint")

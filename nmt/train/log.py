@@ -11,11 +11,68 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from nmt.fileio import atomic_output
+
+
+@dataclass
+class LogWindow:
+    """Running sums of the updates between two train records, and the record they make."""
+
+    loss: float = 0.0
+    nll: float = 0.0
+    tokens: int = 0  # target tokens (loss normaliser)
+    src_tgt_tokens: int = 0  # non-padding source + target tokens (throughput)
+    update_tgt_tokens: int = 0  # non-padding target tokens of every update, skipped ones too
+    updates: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+    def add(self, finite: bool, loss: float, nll: float, tokens: int, src_tgt_tokens: int
+            ) -> None:
+        """Count one update (a skipped, non-finite one only in the token counts)."""
+        if finite:
+            self.loss += loss
+            self.nll += nll
+            self.tokens += tokens
+        self.src_tgt_tokens += src_tgt_tokens
+        self.update_tgt_tokens += tokens
+        self.updates += 1
+
+    def record(self, step: int, epoch: int, lr: float, progress: float, grad_norm: float,
+               **rest: Any) -> dict[str, Any]:
+        """The window's train record: loss, NLL, perplexity, tokens/s and what an update
+        really held, around the given update's numbers; `rest` goes at the end."""
+        seconds = max(time.perf_counter() - self.start, 1e-9)
+        nll = self.nll / self.tokens
+        return {
+            "kind": "train", "step": step, "epoch": epoch,
+            "loss": self.loss / self.tokens, "nll": nll, "ppl": math.exp(min(nll, 50.0)),
+            "lr": lr, "progress": progress, "grad_norm": grad_norm,
+            "tokens_per_s": self.src_tgt_tokens / seconds,
+            "target_tokens": self.tokens, "updates": self.updates,
+            # What an update really held (EOS included, no padding): --batch-tokens counts
+            # padded slots of the longer side, so these come out below it.
+            "source_tokens_per_update": round(
+                (self.src_tgt_tokens - self.update_tgt_tokens) / self.updates),
+            "target_tokens_per_update": round(self.update_tgt_tokens / self.updates),
+            **rest,
+        }
+
+
+def warner(progress: TrainReporter | None) -> Callable[[str], None]:
+    """A warning function: through `progress` when there is one, else a line on stderr.
+    (A closure over the reporter alone: nothing that holds it keeps a trainer alive.)"""
+    def warn(text: str) -> None:
+        if progress is not None:
+            progress.message(f"warning: {text}")
+        else:
+            warn_line(text)
+    return warn
 
 
 class RecordLog(Protocol):

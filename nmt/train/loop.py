@@ -1,38 +1,17 @@
 """The training loop behind `nmt train`: batches -> Transformer -> checkpoints.
 
-One update = `update_freq` micro-batches per process, every process (rank) on its own shard
-of the epoch's shuffled batch list. The loss of an update is the sum of token losses over
-all its micro-batches and ranks divided by the number of target tokens in all of them
-(computed on the host from the length arrays, so it needs no communication); DDP averages
-gradients over ranks, so each rank scales its loss by world_size / tokens. Two ranks with
-max-tokens T therefore make the same update as one process with update-freq 2.
-
-Host synchronisation: one read per update, of one small tensor: the loss sum, NLL sum and
-gradient norm, plus, when distributed, rank 0's save/stop decisions and any rank's
-preemption flag, all-reduced (nmt/train/readback.py). On a CPU it is read right after the
-backward and the update applied or skipped from the host. On CUDA the read is deferred
-(`Trainer._train`): the optimizer step is queued behind the backward with a device-side
-non-finite check (fused Adam skips itself, as under GradScaler), the next update is
-queued, and only then are the numbers read, so the GPU never idles waiting for the host;
-the next update's micro-batches are also collated, pinned and copied on a background
-thread (nmt/train/prefetch.py). Either way a NaN/inf never reaches the weights: the step is
-skipped (fp16: GradScaler skips it and lowers the scale) and counted.
-`encode()` gets `has_pad` from the host-side lengths, so the model adds no sync either.
-
-Hot path (measured in bench/train_throughput.py): only the non-PAD target positions are
-projected to the vocabulary (indices from the host-side lengths), the smoothed loss is one
-fused autograd function (nmt/train/loss.py), Adam is foreach on CPU (fused on CUDA), and
-on CPU glibc malloc keeps freed pages and oneDNN's primitive cache is capped
-(nmt/host_memory.py). Threads: torch's default
-(one per physical core); torchrun sets OMP_NUM_THREADS=1 per process itself.
+One update: `update_freq` micro-batches per process, each rank on its own shard of the
+epoch's batches, the loss normalised by the update's target tokens over all ranks (counted
+on the host from the length arrays). The host reads one small tensor per update (loss,
+NLL, gradient norm, the save/stop/preemption flags): at once on a CPU; on CUDA one update
+late, so the GPU never waits (`_train`). A non-finite update never reaches the weights.
+How and why, with the measurements: docs/training.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import inspect
 import math
 import random
 import time
@@ -43,23 +22,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from nmt.checkpoint import (
     BEST,
-    load_checkpoint,
     model_payload,
-    model_state,
     save_checkpoint,
 )
 from nmt.config import ModelConfig, TrainConfig
-from nmt.data.batching import batch_ends, pair_costs
+from nmt.data.batch_tokens import derive_batching, fill_note
 from nmt.data.dataset import ParallelData, corpus_ranges, language_pair, load_vocab
 from nmt.device import allow_tf32, resolve_device, set_cuda_allocator_default
 from nmt.errors import (
-    CheckpointError,
-    DistributedError,
-    NmtError,
     Preempted,
     TrainingAborted,
     UsageError,
@@ -71,31 +44,39 @@ from nmt.train.best import BestTracker
 from nmt.train.distributed import (
     DistEnv,
     broadcast_object,
+    check_ranks_agree,
+    data_parallel,
+    fingerprint,
     gather_objects,
     init_distributed,
     shutdown,
 )
 from nmt.train.ema import WeightAverage
 from nmt.train.feed import Micro, TrainFeed, Update
-from nmt.train.init_from import check_init_from
-from nmt.train.log import JsonlLog, PlainReporter, RecordLog, TrainReporter, warn_line
+from nmt.train.log import (
+    JsonlLog,
+    LogWindow,
+    PlainReporter,
+    RecordLog,
+    TrainReporter,
+    warner,
+)
 from nmt.train.loss import fused_loss_enabled
 from nmt.train.preempt import PreemptionWatch
 from nmt.train.prefetch import Prefetcher
 from nmt.train.readback import Pending, Readback
+from nmt.train.resume import Training, initialise_from, resume
 from nmt.train.sampling import EpochBatches
 from nmt.train.schedule import (
     build_optimizer,
     build_schedule,
     describe_schedule,
-    load_optimizer_state,
 )
 from nmt.train.state import (
     LAST,
     DataState,
     build_payload,
     capture_rng,
-    restore_training,
     write_checkpoint,
     write_resume_point,
 )
@@ -128,146 +109,6 @@ class TrainSummary:
     valid: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class Batching:
-    """Micro-batches per process per update, padded tokens per micro-batch (the budget
-    `batch_by_tokens` fills), and the fill the shape was derived with."""
-
-    update_freq: int
-    micro_tokens: int
-    # Real tokens per side per micro-batch over `micro_tokens`, measured on the training
-    # lengths at this size (`FillMeter`); None: not measured (no --batch-tokens or lengths).
-    fill: float | None = None
-
-
-class FillMeter:
-    """How full `batch_by_tokens` packs the training pairs at a given micro-batch size.
-
-    The fill at size M is the mean real tokens per side of a micro-batch, (source + target
-    tokens) / 2 with EOS and no padding, over M, for the batches `batch_by_tokens` builds
-    from these lengths with `--max-tokens` M. M counts padded slots of each pair's longer
-    side, so the fill is below 1 by the padding of each batch's shorter pairs, by the slack
-    a batch leaves under M, and by each pair's shorter side (newstest2013+2014: 0.90 at
-    M = 3,125, 0.84-0.86 at 12,500; a synthetic WMT-sized corpus: 0.95). Those batches
-    depend only on the sorted pair costs (max(src, tgt) + 1), so the costs are sorted
-    once here and each size costs one vectorised pass plus a binary search per batch
-    (0.4-0.6 s in all for 4.5M pairs on a 2-core Xeon), with `batch_by_tokens`' own greedy
-    rule (`batch_ends`); `tests/test_train_loop.py` holds the count to it.
-    """
-
-    def __init__(self, src_lens: np.ndarray, tgt_lens: np.ndarray, max_len: int) -> None:
-        src = np.asarray(src_lens, np.int64)
-        tgt = np.asarray(tgt_lens, np.int64)
-        self.pair_cost = pair_costs(src, tgt)  # (pairs,) padded slots per pair
-        self.both_sides = src + tgt + 2  # (pairs,) real source + target tokens, EOS included
-        self.costs = np.sort(self.pair_cost)  # (pairs,) non-decreasing
-        self.max_len = max_len
-
-    def batch_count(self, micro_tokens: int) -> tuple[int, int]:
-        """(batches, real source + target tokens in them) of
-        `batch_by_tokens(src, tgt, micro_tokens, max_len)`."""
-        limit = min(self.max_len, micro_tokens)  # longer pairs are skipped
-        kept = self.costs[:int(np.searchsorted(self.costs, limit, side="right"))]
-        count = len(batch_ends(kept, micro_tokens))  # batch_by_tokens' own rule
-        return count, int(self.both_sides[self.pair_cost <= limit].sum())
-
-    def fill(self, micro_tokens: int) -> float:
-        """Real tokens per side per micro-batch over `micro_tokens` (1.0 without pairs)."""
-        count, both = self.batch_count(micro_tokens)
-        return both / 2 / (count * micro_tokens) if count else 1.0
-
-
-REFILLS = 4  # at most this many micro-batch sizes measured after --max-tokens itself
-
-
-def derive_batching(cfg: TrainConfig, world_size: int, src_lens: np.ndarray | None = None,
-                    tgt_lens: np.ndarray | None = None) -> Batching:
-    """The update's shape from --batch-tokens B: about B real tokens per side per update,
-    i.e. (source + target tokens) / 2 = B, EOS included, no padding (the paper's "about
-    25000 source tokens and 25000 target tokens"), on any number of processes W, in
-    micro-batches of at most --max-tokens padded slots (the memory cap).
-
-    A micro-batch of M slots holds M x fill(M) real tokens per side, the fill measured
-    with the project's own batching on the training lengths (`FillMeter`), so:
-    update_freq F = ceil(B / (W x max-tokens x fill(max-tokens))) and
-    M = ceil(B / (W x F x fill)) (at most --max-tokens, at least --max-len), its fill
-    re-measured at M and M adjusted to it (up to `REFILLS` times, until M repeats; the M
-    whose W x F x M x fill(M) is nearest to B is kept). That product is then about B, on
-    one GPU (F x M) as on eight (1 x M each) although smaller micro-batches pack tighter;
-    counted in padded slots (the meaning before) the updates fell 10-16 % short on
-    newstest2013+2014 (5 % on a synthetic WMT-sized corpus), by more on fewer GPUs.
-    Deterministic: the same lengths, flags and W give the same shape, so a resume
-    re-derives it exactly (and re-derives it on another W).
-
-    Without lengths (the benches' shapes from flags alone) the fill is taken as 1: B then
-    counts padded slots. The fill is measured on the whole training split; a weighted
-    corpus mix draws each epoch from it and packs about alike. Without B: --update-freq
-    and --max-tokens as given."""
-    if not cfg.batch_tokens:
-        return Batching(cfg.update_freq, cfg.max_tokens)
-    batch, cap, floor = cfg.batch_tokens, cfg.max_tokens, cfg.max_len
-    meter = None if src_lens is None or tgt_lens is None else FillMeter(src_lens, tgt_lens,
-                                                                         floor)
-
-    def fill_at(micro: int) -> float:
-        return 1.0 if meter is None else meter.fill(micro)
-
-    def size(freq: int, fill: float) -> int:
-        return min(cap, max(math.ceil(batch / (world_size * freq * fill)), floor))
-
-    fill = fill_at(cap)
-    freq = max(1, math.ceil(batch / (world_size * cap * fill)))
-    # Re-measure at each new size (a large corpus settles at once; a small one's fill
-    # jumps with the size) and keep the size whose update comes nearest to B.
-    tried: dict[int, float] = {cap: fill}
-    micro = size(freq, fill)
-    for _ in range(REFILLS):
-        if micro in tried:
-            break
-        tried[micro] = fill_at(micro)
-        micro = size(freq, tried[micro])
-    micro = min(tried, key=lambda m: (abs(world_size * freq * m * tried[m] - batch), m))
-    return Batching(freq, micro, None if meter is None else tried[micro])
-
-
-def fill_note(batching: Batching, world_size: int) -> str:
-    """What a derived shape holds, for the start-up line and the resume note: "micro-batches
-    measured N % full, about R real tokens per side per update" (R = W x F x M x fill)."""
-    if batching.fill is None:
-        return "fill not measured: counted in padded slots"
-    real = world_size * batching.update_freq * batching.micro_tokens * batching.fill
-    return (f"micro-batches measured {100 * batching.fill:.1f} % full, about {real:,.0f} "
-            "real tokens per side per update")
-
-
-def _no_buffer_sync() -> dict[str, bool]:
-    """DDP's option for "no buffer broadcast every forward": `forward_sync_buffers`
-    where torch has it (it deprecated `broadcast_buffers` in 2.13, with a FutureWarning on
-    every rank), else `broadcast_buffers`. Buffers still agree at start either way: every
-    rank builds the same sinusoid tables."""
-    ddp = torch.nn.parallel.DistributedDataParallel  # the class, not a wrapper around it
-    if "forward_sync_buffers" in inspect.signature(ddp).parameters:
-        return {"forward_sync_buffers": False}
-    return {"broadcast_buffers": False}
-
-
-def _check_resume(payload: dict[str, Any], model_cfg: ModelConfig, path: Path) -> None:
-    if payload.get("model_config") != model_cfg.to_dict():
-        raise CheckpointError(f"{path}: holds a run with a different model config; "
-                              "use the same flags to resume, or another -o directory")
-
-
-def _read_resume_point(path: Path, step: int) -> tuple[dict[str, Any] | None, str | None]:
-    """(payload, None) when `path` holds update `step`, else (None, what is wrong)."""
-    try:
-        payload = load_checkpoint(path, map_location="cpu", mmap=True)
-    except NmtError as err:
-        return None, str(err)
-    if payload.get("step") != step:
-        return None, f"it holds update {payload.get('step')} there"
-    return payload, None
-
-
 def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     random.seed(seed)
@@ -284,7 +125,7 @@ class _Run:
     start: float = field(default_factory=time.perf_counter)
     last_save: float = field(default_factory=time.perf_counter)
     streak: int = 0  # non-finite updates in a row
-    window: _Window = field(default_factory=lambda: _Window())
+    window: LogWindow = field(default_factory=LogWindow)
     watch: PreemptionWatch = field(default_factory=PreemptionWatch)
     preempted: bool = False  # some rank got SIGTERM/SIGUSR1: saved, stopping
 
@@ -306,29 +147,6 @@ class _Launched:
     found_inf: torch.Tensor | None  # deferred path: 1.0 on the device where not finite
     rng_before: dict[str, Any] | None  # deferred path: RNG state before its dropout
 
-
-@dataclass
-class _Window:
-    """Running sums between two log lines."""
-
-    loss: float = 0.0
-    nll: float = 0.0
-    tokens: int = 0  # target tokens (loss normaliser)
-    src_tgt_tokens: int = 0  # non-padding source + target tokens (throughput)
-    update_tgt_tokens: int = 0  # non-padding target tokens of every update, skipped ones too
-    updates: int = 0
-    start: float = field(default_factory=time.perf_counter)
-
-
-
-def _warner(progress: TrainReporter | None) -> Callable[[str], None]:
-    """A warning on stderr, through the progress bar when there is one."""
-    def warn(text: str) -> None:
-        if progress is not None:
-            progress.message(f"warning: {text}")
-        else:
-            warn_line(text)
-    return warn
 
 class Trainer:
     """Holds the model, optimiser and data of one run; `run()` trains to the limits."""
@@ -367,14 +185,14 @@ class Trainer:
                                         self.train_data.tgt.lengths)
         self.update_freq = self.batching.update_freq
         self._build_model()
-        self._check_ranks_agree()
+        check_ranks_agree(self.env, fingerprint(
+            self.model_cfg, train_cfg, self.precision, self.device, self.deferred,
+            self.train_data, self.valid_data, self.vocab.proto))
         self.ema = WeightAverage(self.model, train_cfg.ema_decay) if train_cfg.ema_decay \
             else None
         self.best = BestTracker(train_cfg.best_metric, train_cfg.patience)
         self.notes: list[str] = []  # said once training starts (after the progress bar)
         self.readback = Readback(self.device)  # statistics to the host, flags to the device
-        # Deferred path: the RNG state as of the last settled update (see _launch).
-        self._state_rng: dict[str, Any] | None = None
         # Prepare the next update's batches on a thread while the GPU computes (CUDA only).
         self.prefetch = self.device.type == "cuda"
         # Output projection + loss chunked over rows, never the whole (rows, vocab) logits
@@ -389,18 +207,22 @@ class Trainer:
         src_lang, tgt_lang = language_pair(self.data_dir)  # from nmt prep's manifest
         self.meta = {"src_lang": src_lang, "tgt_lang": tgt_lang,
                      "data_dir": str(self.data_dir.resolve()), **(meta or {})}
-        self._resume()
+        training = Training(self.model, self.optimizer, self.schedule, self.scaler,
+                            self.device, self.ema, self.best)
+        resumed = resume(self.env, self.run_dir, self.model_cfg, train_cfg, self.batching,
+                         training)
+        if resumed is not None:
+            self.step = self.resumed_from = resumed.step
+            self.data_state, self.elapsed_before = resumed.data_state, resumed.elapsed_seconds
+            self.ema = resumed.ema
+            self.notes += resumed.notes
         self.initialised_from: Path | None = None
         if init_from is not None and self.resumed_from == 0:
-            self._init_from(Path(init_from), reset_optimizer)
-        self.net: torch.nn.Module = self.model
-        if self.env.active:
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            # The only buffers are the fixed sinusoid tables (and cached masks): nothing to
-            # broadcast every forward. Gradients live in DDP's buckets (no second copy).
-            self.net = DistributedDataParallel(self.model, device_ids=ids,
-                                               gradient_as_bucket_view=True,
-                                               **_no_buffer_sync())
+            self.ema, note = initialise_from(Path(init_from), self.model_cfg, self.vocab.proto,
+                                             training, train_cfg.ema_decay, reset_optimizer)
+            self.initialised_from = Path(init_from)
+            self.notes.append(note)
+        self.net = data_parallel(self.model, self.env, self.device)
         self.corpora = corpus_ranges(self.data_dir)
         self.epoch_batches = self._build_batches()
         self._epoch_sizes: dict[int, int] = {}  # epoch -> its number of batches
@@ -416,7 +238,7 @@ class Trainer:
             # The logs warn through the reporter, not through a bound method of the Trainer:
             # that cycle kept the memory-mapped data (8 open files) alive after the run
             # returned, until the garbage collector's next full pass.
-            warn = _warner(self.progress)
+            warn = warner(self.progress)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             # A resumed run drops the records of updates it will redo (logged once each).
             self.log = JsonlLog(self.run_dir / "train_log.jsonl", resume_step=self.step,
@@ -473,103 +295,6 @@ class Trainer:
             allow_tf32(self.device)
         self.scaler = grad_scaler(self.device, enabled=self.precision == "fp16")
 
-    def _fingerprint(self) -> dict[str, Any]:
-        """What every rank must see alike: resolved settings and precision, data sizes,
-        vocabulary. Another DATA, recipe, flag or GPU type on one node would otherwise take
-        a different sequence of collectives (a hang until the timeout) or mix fp16 and
-        bf16 gradients silently."""
-
-        def sizes(data: ParallelData | None) -> list[int] | None:
-            if data is None:
-                return None
-            return [len(data), int(data.src.lengths.sum()), int(data.tgt.lengths.sum())]
-
-        return {
-            "model config": self.model_cfg.to_dict(), "settings": self.cfg.to_dict(),
-            "precision": self.precision, "device type": self.device.type,
-            # The two paths order their collectives differently (NMT_DEFER_STATS).
-            "statistics read": "deferred" if self.deferred else "in-line",
-            "train split (pairs, source tokens, target tokens)": sizes(self.train_data),
-            "valid split (pairs, source tokens, target tokens)": sizes(self.valid_data),
-            "vocabulary sha256": hashlib.sha256(self.vocab.proto).hexdigest(),
-        }
-
-    def _check_ranks_agree(self) -> None:
-        """Compare every rank's fingerprint with rank 0's; the first difference stops every
-        rank at once with one line naming the rank and what differs (exit 8)."""
-        prints = gather_objects(self.env, self._fingerprint())
-        for rank, other in enumerate(prints[1:], start=1):
-            for key, value in other.items():
-                mine = prints[0][key]
-                if value == mine:
-                    continue
-                if isinstance(value, dict) and isinstance(mine, dict):
-                    field_ = next(k for k in sorted(set(value) | set(mine))
-                                  if value.get(k) != mine.get(k))
-                    key, value, mine = f"{key}: {field_}", value.get(field_), mine.get(field_)
-                raise DistributedError(
-                    f"rank {rank} differs from rank 0 in its {key} ({value!r} vs {mine!r}); "
-                    "every rank must see the same DATA, recipe, flags and GPU type")
-
-    def _resume(self) -> None:
-        """Continue from RUN/checkpoint_last.pt if rank 0 has one; every rank follows.
-
-        Rank 0 alone decides from its disk and broadcasts the update it resumes from and the
-        file that holds it: the immutable RUN/checkpoint_N.pt where there is one (another
-        node re-opening checkpoint_last.pt could be shown the previous file by NFS's
-        attribute cache), else checkpoint_last.pt (a resume point alone). Each rank then
-        loads that file onto the CPU (memory-mapped) and restores its own RNG stream. A rank
-        that cannot read it, or finds another update there (a run directory that is not
-        shared between nodes), stops every rank with one line (exit 8) instead of training
-        from a different state.
-        """
-        last = self.run_dir / LAST
-        payload: dict[str, Any] | None = None
-        point = None
-        if self.env.is_main and last.is_file():
-            payload = load_checkpoint(last, map_location="cpu", mmap=True)
-            _check_resume(payload, self.model_cfg, last)
-            numbered = self.run_dir / f"checkpoint_{int(payload['step'])}.pt"
-            name = LAST if (payload.get("meta") or {}).get("resume_only") \
-                or not numbered.is_file() else numbered.name
-            point = (int(payload["step"]), name)
-        point = broadcast_object(self.env, point)
-        if point is None:
-            return
-        step, name = point
-        last = self.run_dir / name
-        if not self.env.is_main:
-            payload, problem = _read_resume_point(last, step)
-        else:
-            problem = None
-        problems = gather_objects(self.env, problem)
-        bad = [rank for rank, text in enumerate(problems) if text]
-        if bad:
-            raise DistributedError(
-                f"rank {bad[0]} cannot resume from {last}, which rank 0 resumes from "
-                f"(update {step}): {problems[bad[0]]}; the run directory must be on a file "
-                "system every node shares")
-        assert payload is not None
-        self.data_state = restore_training(
-            payload, model=self.model, optimizer=self.optimizer, scheduler=self.schedule,
-            scaler=self.scaler, rank=self.env.rank, world_size=self.env.world_size,
-            device=self.device)
-        self.step = self.resumed_from = step
-        saved_by = len(payload["rng"])  # one RNG state per process that saved it
-        if saved_by != self.env.world_size:
-            self.notes.append(self._world_change_note(saved_by))
-        self.elapsed_before = float(payload.get("elapsed_seconds", 0.0))
-        if self.ema is not None:
-            if payload.get("ema"):
-                self.ema.load_state_dict(payload["ema"])
-            else:  # EMA switched on for a resumed run: it starts from the current weights
-                self.ema = WeightAverage(self.model, self.cfg.ema_decay)
-                self.notes.append("--ema-decay: the checkpoint has no EMA; the average "
-                                  "starts from its weights")
-        if payload.get("best") and not self.best.load_state_dict(payload["best"]):
-            self.notes.append(f"--best-metric {self.best.metric}: the checkpoint tracked "
-                              f"{payload['best'].get('metric')}; the best score starts anew")
-
     def _build_batches(self) -> EpochBatches:
         """Each epoch's batch list (shuffled per epoch by `epoch_order`): one fixed list,
         or a per-epoch draw when the data's corpora carry sampling weights."""
@@ -581,41 +306,6 @@ class Trainer:
             raise UsageError(f"{self.data_dir}: only {count} training batches "
                              f"for {self.env.world_size} processes; lower --max-tokens")
         return batches
-
-    def _world_change_note(self, saved_by: int) -> str:
-        """What a resume on another number of processes does to the batch."""
-        now, cfg = self.env.world_size, self.cfg
-        head = f"resumed a run saved by {saved_by} process(es) on {now}: "
-        if cfg.batch_tokens:
-            return (head + f"--batch-tokens {cfg.batch_tokens} real tokens per side gives "
-                    f"update-freq {self.update_freq} x {self.batching.micro_tokens} tokens "
-                    f"per process ({fill_note(self.batching, now)}), the same batch per "
-                    "update; this epoch's order is reshuffled")
-        return (head + f"each update now holds {now} x update-freq {self.update_freq} x "
-                f"--max-tokens {self.batching.micro_tokens} tokens, {now}/{saved_by} of "
-                "what it held (use --batch-tokens to keep the batch); this epoch's order is "
-                "reshuffled")
-
-    def _init_from(self, path: Path, reset_optimizer: bool) -> None:
-        """Start this new run from another run's model (`--init-from`): its weights (EMA
-        ones where it has them), and, unless reset, its optimizer and schedule state."""
-        payload = load_checkpoint(path, map_location="cpu", mmap=True)
-        check_init_from(payload, path, self.model_cfg, self.vocab.proto)
-        self.model.load_state_dict(model_state(payload, "auto", path))
-        continued = not reset_optimizer and all(k in payload for k in ("optimizer",
-                                                                        "scheduler"))
-        if continued:
-            load_optimizer_state(self.optimizer, payload["optimizer"])
-            self.schedule.load_state_dict(payload["scheduler"])
-            if payload.get("scaler"):
-                self.scaler.load_state_dict(payload["scaler"])
-        if self.ema is not None:
-            self.ema = WeightAverage(self.model, self.cfg.ema_decay)
-        self.initialised_from = path
-        how = ("optimizer and schedule continued" if continued else
-               "fresh optimizer and schedule" + ("" if reset_optimizer else
-                                                 " (the file has none)"))
-        self.notes.append(f"initialised from {path} (update {payload['step']}; {how})")
 
     def _open_valid(self) -> ParallelData | None:
         try:
@@ -629,7 +319,7 @@ class Trainer:
 
     def _warn(self, text: str) -> None:
         """A warning on stderr, through the progress bar when there is one."""
-        _warner(self.progress)(text)
+        warner(self.progress)(text)
 
     # ----- one update -----
 
@@ -680,11 +370,13 @@ class Trainer:
 
     # ----- checkpoints -----
 
-    def _save(self, elapsed: float, resume_only: bool = False) -> Path | None:
+    def _save(self, elapsed: float, resume_only: bool = False,
+              rng: dict[str, Any] | None = None) -> Path | None:
         """Save a training checkpoint: numbered (and checkpoint_last.pt), or with
-        `resume_only` checkpoint_last.pt alone (see write_resume_point)."""
-        # Deferred path: the next update's dropout may already have run (see _launch).
-        rng = self._state_rng if self._state_rng is not None else capture_rng(self.device)
+        `resume_only` checkpoint_last.pt alone (see write_resume_point). `rng`: the RNG
+        state to record (deferred path: as it was before the next update's dropout, which
+        may already have run; see _launch), None: as it is now."""
+        rng = rng if rng is not None else capture_rng(self.device)
         rngs = gather_objects(self.env, rng)  # collective: all ranks
         if not self.env.is_main:
             return None
@@ -724,11 +416,11 @@ class Trainer:
                     self._say(f"early stop at update {self.step} reached before (--patience "
                               f"{self.cfg.patience}: best {self.best.metric} at update "
                               f"{self.best.best_step}); nothing to train")
-                self._train(feed, run)
+                rng = self._train(feed, run)
                 # Decided from what every rank knows alike, never from files: a rank that looked
                 # at RUN while rank 0 was still writing would enter a collective alone.
                 if (self.step != run.saved_step or self.step == 0) and not run.preempted:
-                    self._save_into(run)
+                    self._save_into(run, rng=rng)
         finally:
             feed.close()
             if self.progress is not None:
@@ -772,8 +464,9 @@ class Trainer:
         elif self.initialised_from is not None:  # where fine-tuning starts from
             summary.valid = self._validate(run.elapsed())
 
-    def _train(self, feed: Prefetcher, run: _Run) -> None:
-        """Updates until a limit, a stop flag or the end of the data.
+    def _train(self, feed: Prefetcher, run: _Run) -> dict[str, Any] | None:
+        """Updates until a limit, a stop flag or the end of the data; returns the RNG state
+        a save after them must record (None: the current one).
 
         In-line path (CPU): each update is launched, its statistics read, then applied or
         skipped from the host. Deferred path (CUDA, `defer_statistics`): update k + 1 is
@@ -786,6 +479,7 @@ class Trainer:
         update launched after the one that stopped training is dropped unapplied.
         """
         in_flight: _Launched | None = None  # deferred: stepped on the device, not yet read
+        rng: dict[str, Any] | None = None  # deferred: before the dropout of the update after
         while not run.summary.stopped_early:
             launched, ended = None, False
             if self.step + (in_flight is not None) < self.cfg.max_updates:
@@ -795,27 +489,28 @@ class Trainer:
                 else:
                     launched = self._launch(*nxt, run)
             if in_flight is not None:
-                self._state_rng = launched.rng_before if launched is not None else None
-                stop = self._settle(in_flight, run)
+                rng = launched.rng_before if launched is not None else None
+                stop = self._settle(in_flight, run, rng)
                 in_flight = None
                 if stop:
                     if launched is not None:
                         self._drop_in_flight()
-                    return
+                    return rng
             if launched is None:
                 if ended and self.feed.epoch_end is not None:
                     self.data_state = self.feed.epoch_end  # past the last epoch
                 if ended or self.step >= self.cfg.max_updates:
-                    return  # --max-epochs or --max-updates reached
+                    return rng  # --max-epochs or --max-updates reached
                 continue  # the last update in flight was skipped: one more is needed
             if self.deferred:
                 assert launched.found_inf is not None
                 launch_update(self.optimizer, self.scaler, self.precision, launched.found_inf)
                 in_flight = launched
-            elif self._settle(launched, run):
-                return
+            elif self._settle(launched, run, None):
+                return None
+        return rng
 
-    def _settle(self, launched: _Launched, run: _Run) -> bool:
+    def _settle(self, launched: _Launched, run: _Run, rng: dict[str, Any] | None) -> bool:
         """Read an update's statistics and act on them: apply or skip it (in-line path;
         the deferred path only advances the schedule and weight average, the optimizer
         having stepped on the device), count, log, validate, save. True: stop training."""
@@ -841,7 +536,7 @@ class Trainer:
             self.progress.advance(self.step, run.elapsed())
         if finite and self.step % cfg.log_interval == 0:
             self._log_train(run.window, lr, gnorm, run.elapsed(), progress, summary)
-            run.window = _Window()
+            run.window = LogWindow()
         if finite and self.step % cfg.valid_interval == 0:
             summary.valid = self._validate(run.elapsed())
             if self.best.exhausted:
@@ -851,9 +546,9 @@ class Trainer:
                           f"(best {self.best.best:.4f} at update "
                           f"{self.best.best_step}; --patience {cfg.patience})")
         if cfg.save_interval_updates and finite and self.step % cfg.save_interval_updates == 0:
-            self._save_into(run)  # the evenly spaced checkpoints averaging uses
+            self._save_into(run, rng=rng)  # the evenly spaced checkpoints averaging uses
         elif save_flag:  # by time: with update-spaced saves, only insurance against a crash
-            self._save_into(run, resume_only=bool(cfg.save_interval_updates))
+            self._save_into(run, resume_only=bool(cfg.save_interval_updates), rng=rng)
         return bool(stop_flag)
 
     def _progress(self, updates: int, elapsed: float) -> float:
@@ -875,60 +570,44 @@ class Trainer:
     def _count(self, run: _Run, finite: bool, loss: float, nll: float, tokens: int,
                st_tokens: int) -> None:
         """Step counter, log window and the non-finite streak (aborts when too long)."""
-        summary, window = run.summary, run.window
+        summary = run.summary
+        run.window.add(finite, loss, nll, tokens, st_tokens)
         if finite:
             self.step += 1
             run.streak = 0
             summary.losses.append(loss / tokens)
-            window.loss += loss
-            window.nll += nll
-            window.tokens += tokens
-        else:
-            run.streak += 1
-            summary.skipped_updates += 1
-            self._say(f"update {self.step + 1}: non-finite loss or gradient; "
-                      f"step skipped ({summary.skipped_updates} so far)")
-            if run.streak >= self.cfg.max_nonfinite_in_a_row:
-                raise TrainingAborted(
-                    f"{run.streak} updates in a row had a non-finite loss or gradient; "
-                    f"stopped at update {self.step} (last checkpoint intact); lower "
-                    "--lr-scale, use --clip-norm or --precision bf16/fp32")
-        window.src_tgt_tokens += st_tokens
-        window.update_tgt_tokens += tokens
-        window.updates += 1
+            return
+        run.streak += 1
+        summary.skipped_updates += 1
+        self._say(f"update {self.step + 1}: non-finite loss or gradient; "
+                  f"step skipped ({summary.skipped_updates} so far)")
+        if run.streak >= self.cfg.max_nonfinite_in_a_row:
+            raise TrainingAborted(
+                f"{run.streak} updates in a row had a non-finite loss or gradient; "
+                f"stopped at update {self.step} (last checkpoint intact); lower "
+                "--lr-scale, use --clip-norm or --precision bf16/fp32")
 
-    def _save_into(self, run: _Run, resume_only: bool = False) -> None:
-        """Save now; remember it in `run`."""
-        run.summary.last_checkpoint = (self._save(run.elapsed(), resume_only)
+    def _save_into(self, run: _Run, resume_only: bool = False,
+                   rng: dict[str, Any] | None = None) -> None:
+        """Save now (`rng`: see _save); remember it in `run`."""
+        run.summary.last_checkpoint = (self._save(run.elapsed(), resume_only, rng)
                                        or run.summary.last_checkpoint)
         if not resume_only:  # the end of training still writes a numbered checkpoint
             run.saved_step = self.step
         run.last_save = time.perf_counter()
 
-    def _log_train(self, window: _Window, lr: float, gnorm: float, elapsed: float,
+    def _log_train(self, window: LogWindow, lr: float, gnorm: float, elapsed: float,
                    progress: float, summary: TrainSummary) -> None:
         """One train record: the window's statistics, the lr the update used and the
         budget's `progress` after it (what sets the next update's lr)."""
         if not self.env.is_main or window.tokens == 0:
             return
-        seconds = max(time.perf_counter() - window.start, 1e-9)
-        nll = window.nll / window.tokens
-        record = {
-            "kind": "train", "step": self.step, "epoch": self.data_state.epoch,
-            "loss": window.loss / window.tokens, "nll": nll, "ppl": math.exp(min(nll, 50.0)),
-            "lr": lr, "progress": progress, "grad_norm": gnorm,
-            "tokens_per_s": window.src_tgt_tokens / seconds,
-            "target_tokens": window.tokens, "updates": window.updates,
-            # What an update really held (EOS included, no padding): --batch-tokens counts
-            # padded slots of the longer side, so these come out below it.
-            "source_tokens_per_update": round(
-                (window.src_tgt_tokens - window.update_tgt_tokens) / window.updates),
-            "target_tokens_per_update": round(window.update_tgt_tokens / window.updates),
-            "update_freq": self.update_freq, "world_size": self.env.world_size,
-            "skipped_updates": summary.skipped_updates, "skipped_pairs": summary.skipped_pairs,
-            "loss_scale": self.scaler.get_scale() if self.scaler.is_enabled() else None,
-            "wall_time": time.time(), "elapsed_minutes": elapsed / 60,
-        }
+        record = window.record(
+            step=self.step, epoch=self.data_state.epoch, lr=lr, progress=progress,
+            grad_norm=gnorm, update_freq=self.update_freq, world_size=self.env.world_size,
+            skipped_updates=summary.skipped_updates, skipped_pairs=summary.skipped_pairs,
+            loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None,
+            wall_time=time.time(), elapsed_minutes=elapsed / 60)
         assert self.log is not None
         self.log.write(record)
         if self.progress is not None:
