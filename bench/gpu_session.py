@@ -1,5 +1,6 @@
 """One GPU visit in one command: install onto the machine's own torch, then each step of
-issue 31 with its own time cap, everything written under --out as it goes.
+the GPU check (CUDA tests, correctness, speed, quality) with its own time cap, everything
+written under --out as it goes.
 
 On the lent GPU machine (no network, its own Python and torch), from the checkout root:
 

@@ -1,6 +1,6 @@
 """Beam search speed on one GPU: `nmt translate`'s library path vs CTranslate2, same weights.
 
-nmt: `Translator.load([checkpoint], cfg, device, precision)` + `translate_stream` (what
+nmt: `Engine.load([checkpoint], cfg, device, precision)` + `translate_stream` (what
 `nmt translate` runs) over newstest2014.en (3,003 lines, ../shared/data/wmt14), beam 4,
 alpha 0.6, at each of --precisions (bf16, fp16, fp32 on CUDA), after a 20-line warm-up;
 every line is in one read-ahead buffer, so batches are length-sorted over the whole test
@@ -52,7 +52,7 @@ from translate_speed import ct2_request  # noqa: E402  (bench/: the CPU comparis
 from nmt.checkpoint import model_payload, save_checkpoint  # noqa: E402
 from nmt.config import DecodeConfig, max_tokens_for, model_preset  # noqa: E402
 from nmt.data.vocab import Vocab, train_vocab  # noqa: E402
-from nmt.inference.translate import Translator, translate_stream  # noqa: E402
+from nmt.inference.translate import Engine, translate_stream  # noqa: E402
 from nmt.model.transformer import Transformer  # noqa: E402
 from nmt.score import corpus_scores  # noqa: E402
 
@@ -95,7 +95,7 @@ def random_checkpoint(cache: Path, arch: str, vocab_size: int, texts: list[Path]
 def time_nmt(checkpoint: Path, lines: list[str], refs: list[str], cfg: DecodeConfig,
              device: str, precision: str) -> dict:
     """sentences/s of `translate_stream` over `lines` at `precision`, after a warm-up."""
-    translator = Translator.load([checkpoint], cfg, device=device, precision=precision)
+    translator = Engine.load([checkpoint], cfg, device=device, precision=precision)
     data = ("\n".join(lines) + "\n").encode("utf-8")
     warm = ("\n".join(lines[:20]) + "\n").encode("utf-8")
     translate_stream(io.BytesIO(warm), io.BytesIO(), translator)

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nmt.config import DecodeConfig  # noqa: E402
-from nmt.inference.translate import Translator, translate_stream  # noqa: E402
+from nmt.inference.translate import Engine, translate_stream  # noqa: E402
 
 DATA = Path(os.environ.get("NMT_SHARED_DATA", REPO.parent / "shared" / "data"))
 SETS = {"test2016": ("multi30k/test_2016_flickr.en", "multi30k/test_2016_flickr.de"),
@@ -36,7 +36,7 @@ SETS = {"test2016": ("multi30k/test_2016_flickr.en", "multi30k/test_2016_flickr.
 
 def translate(checkpoint: Path, precision: str, lines: list[str]) -> tuple[list[str], float]:
     """Outputs of `nmt translate`'s pipeline and process CPU seconds."""
-    translator = Translator.load([checkpoint], DecodeConfig(buffer_size=len(lines)),
+    translator = Engine.load([checkpoint], DecodeConfig(buffer_size=len(lines)),
                                  device="cpu", precision=precision)
     sink = io.BytesIO()
     cpu = time.process_time()

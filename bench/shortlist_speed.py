@@ -5,7 +5,7 @@
 tables concentrate on frequent pieces; a uniform draw would make a batch's candidates
 nearly the whole vocabulary) plus the 100 most frequent; 64 sentences of 25 random pieces,
 decoded for exactly 20 steps (min = max length: random weights end at random places), beam
-4, one thread. Times `Translator.translate_ids` with and without the shortlist at each
+4, one thread. Times `Engine.translate_ids` with and without the shortlist at each
 precision, best of 2. What it shows is the speed of the mechanism at this vocabulary, not
 a quality: the BLEU cost is measured on a trained model (docs/performance.md).
 Run: .venv/bin/python bench/shortlist_speed.py [--precisions fp32,int8,bf16]. Ends with one
@@ -30,7 +30,7 @@ from nmt.config import DecodeConfig, model_preset  # noqa: E402
 from nmt.data.shortlist import Shortlist  # noqa: E402
 from nmt.inference.int8_linear import output_projection, quantize_for_inference  # noqa: E402
 from nmt.inference.packed_linear import pack_for_inference  # noqa: E402
-from nmt.inference.translate import Translator  # noqa: E402
+from nmt.inference.translate import Engine  # noqa: E402
 from nmt.model.transformer import Transformer  # noqa: E402
 
 
@@ -63,7 +63,7 @@ def main() -> None:
         else:
             model = model.to(torch.bfloat16 if precision == "bf16" else torch.float32)
             pack_for_inference(model)
-        engine = Translator([model], vocab=None, cfg=cfg, device=torch.device("cpu"),
+        engine = Engine([model], vocab=None, cfg=cfg, device=torch.device("cpu"),
                             projections=[projection], precision=precision)
         for name, listed in (("full", None), ("shortlist", shortlist)):
             engine.shortlist = listed
@@ -79,7 +79,7 @@ def main() -> None:
                       "steps": opts.steps, "sentences_per_s": rows}))
 
 
-def _timed(engine: Translator, sources: list[list[int]]) -> float:
+def _timed(engine: Engine, sources: list[list[int]]) -> float:
     start = time.perf_counter()
     engine.translate_ids(sources)
     return time.perf_counter() - start

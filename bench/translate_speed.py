@@ -70,8 +70,7 @@ from nmt.checkpoint import load_model, model_payload, save_checkpoint  # noqa: E
 from nmt.config import DecodeConfig, model_preset  # noqa: E402
 from nmt.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab, train_vocab  # noqa: E402
 from nmt.errors import UsageError  # noqa: E402
-from nmt.inference import packed_linear  # noqa: E402
-from nmt.inference.translate import Translator, translate_stream  # noqa: E402
+from nmt.inference.translate import Engine, translate_stream  # noqa: E402
 from nmt.model.transformer import Transformer  # noqa: E402
 from nmt.precision import resolve_precision  # noqa: E402
 from nmt.score import corpus_scores  # noqa: E402
@@ -192,11 +191,10 @@ def time_ours(checkpoint: Path, lines: list[str], refs: list[str], cfg: DecodeCo
     the end of the last: about 0 unless something accumulates. Memory of the workers:
     `pss_mb` (all processes, shared pages split among them) and each worker's private
     pages (`worker_private_mb`, what a worker adds)."""
-    os.environ["NMT_PACKED_LINEAR"] = "1" if packed else "0"
-    packed_linear.available.cache_clear()
+    os.environ["NMT_PACKED_LINEAR"] = "1" if packed else "0"  # read when used
     if workers == 1:
         torch.set_num_threads(threads)
-    translator = Translator.load([checkpoint], cfg, device="cpu", precision=precision,
+    translator = Engine.load([checkpoint], cfg, device="cpu", precision=precision,
                                  workers=workers, threads=threads, shortlist=shortlist)
     data = ("\n".join(lines) + "\n").encode()
     translate_stream(io.BytesIO(("\n".join(lines[:20]) + "\n").encode()), io.BytesIO(),
@@ -231,7 +229,7 @@ def time_ours(checkpoint: Path, lines: list[str], refs: list[str], cfg: DecodeCo
             "rss_growth_mb": None if rss_first is None else rss_end - rss_first, **memory}
 
 
-def _cpu_seconds(translator: Translator) -> float:
+def _cpu_seconds(translator: Engine) -> float:
     """CPU time of this process and its worker processes so far (Linux /proc)."""
     total = time.process_time()
     ticks = os.sysconf("SC_CLK_TCK")
@@ -254,7 +252,7 @@ def _smaps(pid: int | str) -> dict[str, float]:
     return values
 
 
-def _memory(translator: Translator) -> dict[str, object]:
+def _memory(translator: Engine) -> dict[str, object]:
     """Memory of the parent and its workers after the timed passes."""
     own = _smaps("self")
     workers = [_smaps(pid) for pid in ([] if translator.pool is None else translator.pool.pids)]

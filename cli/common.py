@@ -102,11 +102,6 @@ def _exit_interrupted(command: str, code: int = EXIT_INTERRUPTED) -> None:
     os._exit(code)
 
 
-def not_built(command: str, issue: str) -> NoReturn:
-    """Refuse clearly for a command that is not implemented yet (exit 2)."""
-    fail(command, f"not built yet (tracked in {issue}); nothing was done", 2)
-
-
 def model_files(command: str, paths: list[Path]) -> list[Path]:
     """The checkpoint files `-m` names: a run directory becomes its average.pt, else
     checkpoint_best.pt, else checkpoint_last.pt (nmt.checkpoint.resolve_model_path), and

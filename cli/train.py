@@ -8,7 +8,7 @@ or `nmt train ... --gpus 8 --nnodes 2 --rdzv-endpoint HOST:29500` on each node.
 
 The model and training settings are not spelled out here: each documented field of
 `ModelConfig` (those in SETTABLE_MODEL_FIELDS) and `TrainConfig` becomes an option, named,
-explained and shown with its default from the field itself (see `config_options`), so a new
+explained and shown with its default from the field itself (cli/options.py), so a new
 field is a new flag with no edit here. The options below are the ones that are no field.
 """
 
@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import inspect
-import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import typer
 
 from cli.common import console, handle_errors
+from cli.options import config_options, with_options
 from cli.progress import RichTrainProgress
 from nmt.config import (
     DEFAULT_ARCH,
@@ -38,41 +37,6 @@ from nmt.errors import UsageError
 from nmt.train.settings import resolve
 
 
-def config_options(cls: type, names: Iterable[str] | None = None,
-                   shown: Callable[[dataclasses.Field[Any]], str] = lambda f: str(f.default),
-                   ) -> list[inspect.Parameter]:
-    """One Typer option per field of dataclass `cls` (only `names`, if given), in field
-    order, as keyword parameters for a command's signature. From the field's metadata:
-    `help`; `flag` (else `--field-name`, or `--field-name/--no-field-name` for a bool);
-    `shown_default` (else `shown(field)`, the field's default). The default is None,
-    meaning "not given", so a recipe or the config's default can fill it in (see
-    nmt.train.settings.resolve); the type is the field's, without None (`int | None` ->
-    int) and with a Literal of strings as str."""
-    hints = typing.get_type_hints(cls)
-    wanted = None if names is None else set(names)
-    params = []
-    for field in dataclasses.fields(cls):
-        if wanted is not None and field.name not in wanted:
-            continue
-        meta, hint = field.metadata, hints[field.name]
-        dashed = field.name.replace("_", "-")
-        flag = meta.get("flag") or (f"--{dashed}/--no-{dashed}" if hint is bool else f"--{dashed}")
-        option = typer.Option(None, flag, help=meta.get("help"),
-                              show_default=meta.get("shown_default") or shown(field))
-        params.append(inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY,
-                                        default=option, annotation=_plain_type(hint)))
-    return params
-
-
-def _plain_type(hint: Any) -> Any:
-    """The type Typer parses an option as: `int | None` -> int, `Literal["a", "b"]` -> str."""
-    origin = typing.get_origin(hint)
-    if origin is None:
-        return hint
-    args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
-    return type(args[0]) if origin is typing.Literal else args[0]
-
-
 def _preset_help(field: dataclasses.Field[Any]) -> str:
     """'from --arch (tiny 2, small 3, base 6, big 6)': a model field's default is its arch's."""
     values = ", ".join(f"{arch} {preset.get(field.name, field.default)}"
@@ -81,18 +45,10 @@ def _preset_help(field: dataclasses.Field[Any]) -> str:
 
 
 def _with_config_options(func: Callable[..., None]) -> Callable[..., None]:
-    """Give `func` (whose `**settings` takes them) the config options after its `arch`
-    option: Typer builds a command's options from `inspect.signature`, which reads
-    `__signature__`."""
-    own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
-           for p in inspect.signature(func, eval_str=True).parameters.values()
-           if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    at = [p.name for p in own].index("arch") + 1
-    settings = [*config_options(ModelConfig, SETTABLE_MODEL_FIELDS, _preset_help),
-                *config_options(TrainConfig)]
-    signature = inspect.Signature([*own[:at], *settings, *own[at:]])
-    func.__signature__ = signature  # type: ignore[attr-defined]
-    return func
+    """`func` with the ModelConfig and TrainConfig options after its `arch` option."""
+    return with_options(func, "arch", [*config_options(ModelConfig, SETTABLE_MODEL_FIELDS,
+                                                       _preset_help),
+                                       *config_options(TrainConfig)])
 
 
 @_with_config_options

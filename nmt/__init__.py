@@ -18,7 +18,7 @@ Where things live:
 
 Dependencies point one way (tests/test_dependencies.py): data and model use only the
 shared modules, inference adds those two, train adds inference; the CLI (cli/) sits above it
-all. The one shared module that reaches up is checkpoint, whose `build_model` makes the
+all. The one shared module that reaches up is checkpoint, whose `load_model` makes the
 network and vocabulary from a model file (lazily imported).
 """
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +23,7 @@ from nmt.config import DecodeConfig, RuntimeConfig
 from nmt.errors import UsageError
 
 if TYPE_CHECKING:  # torch-free at import time
-    from nmt.inference.translate import Translator as Engine
+    from nmt.inference.translate import Engine, Translation
 
 _D = DecodeConfig()
 _R = RuntimeConfig()
@@ -95,11 +95,16 @@ class Translator:
         decoding processes sharing the weights, `threads` torch threads each (None: 1);
         with one worker `threads` sets torch's intra-op threads for the whole process
         (None: leave torch's setting). `shortlist`: a file of `nmt shortlist` made with
-        the model's vocabulary: only each batch's likely target pieces are scored."""
+        the model's vocabulary: only each batch's likely target pieces are scored.
+
+        On a CPU, loading also sets two things for the whole process, for as long as it
+        lives: glibc keeps freed memory for reuse instead of unmapping it, and oneDNN
+        keeps 4,096 compiled kernels (unless ONEDNN_PRIMITIVE_CACHE_CAPACITY is set
+        before); see nmt/host_memory.py."""
         import torch
 
         from nmt.checkpoint import resolve_model_paths
-        from nmt.inference.translate import Translator as Engine
+        from nmt.inference.translate import Engine
 
         for name, value in (("threads", threads), ("workers", workers)):
             if value is not None and value < 1:
@@ -142,7 +147,7 @@ class Translator:
     @property
     def parameters(self) -> int:
         """Parameters of the (first) model."""
-        return sum(p.numel() for p in self._engine.models[0].parameters())
+        return self._engine.parameters
 
     @property
     def languages(self) -> tuple[str, str]:
@@ -160,37 +165,50 @@ class Translator:
         """The (first) model's architecture, as stored in its checkpoint."""
         return self._engine.models[0].cfg.to_dict()
 
-    def translate(self, lines: Sequence[str], *, beam: int = _D.beam, alpha: float = _D.alpha,
-                  nbest: int = _D.nbest, return_scores: bool = False,
-                  target_prefix: Sequence[str | None] | None = None,
-                  max_len_a: float = _D.max_len_a, max_len_b: int = _D.max_len_b,
-                  min_len: int = _D.min_len, early_stop: str = _D.early_stop,
-                  sampling: bool = _D.sampling,
-                  temperature: float = _D.temperature, top_k: int = _D.top_k,
-                  top_p: float = _D.top_p, seed: int | None = None,
-                  max_tokens: int | None = _D.max_tokens, buffer_size: int = _D.buffer_size,
-                  max_src_len: int | None = None) -> list[str] | list[TranslationResult]:
-        """Translate `lines` (one sentence each), same order, one result per line; an
-        empty line gives "". Options are `nmt translate`'s flags of the same names, with
-        its defaults (the paper's beam 4, alpha 0.6).
+    def translate(self, lines: Sequence[str], *,
+                  target_prefix: Sequence[str | None] | None = None, seed: int | None = None,
+                  max_src_len: int | None = None, **options: Any) -> list[str]:
+        """The best translation of each of `lines` (one sentence each), same order; an
+        empty line gives "".
 
-        Returns strings, or `TranslationResult`s (hypotheses with scores) when `nbest` > 1
-        or `return_scores`. `target_prefix`, one per line (None or "": none): that line's
-        output starts with it (teacher-forced, then the search goes on). `seed` makes
-        `sampling` reproducible for this call. Over-long lines are truncated to
-        `max_src_len` pieces (default: the model's positions - 1), as `nmt translate` does.
+        `options` are `DecodeConfig`'s fields (nmt/config.py), which are `nmt translate`'s
+        flags of the same names with its defaults: beam (4) and alpha (0.6) as in the
+        paper, max_len_a, max_len_b, min_len, early_stop, sampling, temperature, top_k,
+        top_p, max_tokens, buffer_size (nbest: see `translate_hypotheses`).
+        `target_prefix`, one per line (None or "": none): that line's output starts with
+        it (teacher-forced, then the search goes on). `seed` makes `sampling`
+        reproducible for this call. Over-long lines are truncated to `max_src_len` pieces
+        (default: the model's positions - 1), as `nmt translate` does.
         """
+        if options.get("nbest", 1) != 1:
+            raise UsageError("translate returns the best translation of each line; for "
+                             "n-best lists use translate_hypotheses(lines, nbest=N)")
+        return [r.texts[0] if r.texts else ""
+                for r in self._search(lines, target_prefix, seed, max_src_len, options)]
+
+    def translate_hypotheses(self, lines: Sequence[str], *,
+                             target_prefix: Sequence[str | None] | None = None,
+                             seed: int | None = None, max_src_len: int | None = None,
+                             **options: Any) -> list[TranslationResult]:
+        """`translate` with the hypotheses themselves: per line, the `nbest` best (an
+        option as for `translate`, default 1) with their scores, best first; none for an
+        empty line."""
+        return [TranslationResult([ScoredText(text, h.score, h.log_prob)
+                                   for h, text in zip(r.hypotheses, r.texts, strict=True)])
+                for r in self._search(lines, target_prefix, seed, max_src_len, options)]
+
+    def _search(self, lines: Sequence[str], target_prefix: Sequence[str | None] | None,
+                seed: int | None, max_src_len: int | None, options: dict[str, Any]
+                ) -> list[Translation]:
+        """Translate as `nmt translate` does (its buffering, batching and search), with
+        `DecodeConfig(**options)`; one result per line."""
         from nmt.inference.translate import start_texts
 
         texts = _as_lines(lines, "lines")
         if target_prefix is not None and len(target_prefix) != len(texts):
             raise UsageError(f"target_prefix has {len(target_prefix)} entries for "
                              f"{len(texts)} lines; give one per line (None for none)")
-        cfg = DecodeConfig(beam=beam, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
-                           min_len=min_len, early_stop=early_stop, nbest=nbest,
-                           sampling=sampling,
-                           temperature=temperature, top_k=top_k, top_p=top_p,
-                           max_tokens=max_tokens, buffer_size=buffer_size)
+        cfg = decode_config(options)
         with self._lock:  # forming batches (and, without workers, decoding them)
             engine = self._engine.configured(cfg, max_src_len, name="max_src_len")
             if seed is not None:
@@ -202,12 +220,7 @@ class Translator:
                 pending.append(start_texts(engine, texts[start:end], prefixes=prefixes,
                                            line_numbers=range(start + 1, end + 1),
                                            source_name="lines"))
-        results = [r for part in pending for r in part.result()]  # workers: no lock held
-        if nbest == 1 and not return_scores:
-            return [r.texts[0] if r.texts else "" for r in results]
-        return [TranslationResult([ScoredText(text, h.score, h.log_prob)
-                                   for h, text in zip(r.hypotheses, r.texts, strict=True)])
-                for r in results]
+        return [r for part in pending for r in part.result()]  # workers: no lock held
 
     def score(self, sources: Sequence[str], targets: Sequence[str], *,
               max_tokens: int | None = _D.max_tokens) -> list[ScoreResult]:
@@ -237,6 +250,17 @@ def _languages(path: Path) -> tuple[str, str]:
 
     meta = load_checkpoint(path, mmap=True).get("meta") or {}
     return str(meta.get("src_lang") or ""), str(meta.get("tgt_lang") or "")
+
+
+def decode_config(options: dict[str, Any]) -> DecodeConfig:
+    """`DecodeConfig(**options)`, with a UsageError naming the known options for an
+    unknown one (the options are the config's fields: one list, nmt/config.py)."""
+    known = [f.name for f in fields(DecodeConfig)]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise UsageError(f"unknown option(s) {', '.join(unknown)}; the options are "
+                         f"{', '.join(known)}")
+    return DecodeConfig(**options)
 
 
 def _as_lines(lines: Sequence[str], name: str) -> list[str]:

@@ -30,7 +30,7 @@ DECODE_PRECISIONS: tuple[str, ...] = (*PRECISIONS, "int8")
 
 def _setting(default: Any, help_text: str, *, flag: str | None = None,
              shown_default: str | None = None) -> Any:
-    """A dataclass field that documents itself, for `nmt train`'s options (cli/train.py
+    """A dataclass field that documents itself, for the commands' options (cli/options.py
     builds one flag per such field, so names, defaults and help live here only). Metadata,
     plain strings: `help`; `flag` where the option is not `--field-name` (`--x/--no-x` for
     a bool); `shown_default` where --help should not show the default value itself."""
@@ -252,29 +252,38 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Search and batching settings of translation (what a Translator reads on every
+    """Search and batching settings of translation (what the translation engine reads on every
     batch); the search defaults are the paper's (section 6.1). How the model runs (device,
     precision, weights, seed, input errors) is `RuntimeConfig`."""
 
-    beam: int = 4
-    alpha: float = 0.6  # GNMT length penalty exponent; larger favours longer output
-    max_len_a: float = 1.0  # max output length = a * source length + b (paper: input + 50)
-    max_len_b: int = 50
-    min_len: int = 1  # EOS forbidden before this many pieces (fairseq's default too)
-    # When a sentence's beam search stops (EARLY_STOPS): "bound", once no alive hypothesis
-    # can beat the finished ones (the paper's code, tensor2tensor); "beam", once `beam`
-    # hypotheses have finished (fairseq, CTranslate2, Marian): fewer steps.
-    early_stop: str = "bound"
-    nbest: int = 1
-    sampling: bool = False
-    temperature: float = 1.0
-    top_k: int = 0  # 0: no top-k filter
-    top_p: float = 1.0  # 1.0: no nucleus filter
-    # Per batch: padded tokens of the (source) side, EOS included, as training's
-    # --max-tokens counts them (nmt.data.batching.batch_by_tokens); None: by device
-    # (MAX_TOKENS_BY_DEVICE), resolved by the translator.
-    max_tokens: int | None = None
-    buffer_size: int = 2000  # lines read ahead and length-sorted before batching
+    beam: int = _setting(4, "Beam size.")
+    alpha: float = _setting(0.6, "GNMT length penalty ((5+|Y|)/6)^alpha, |Y| counting EOS; "
+                            "0 = raw log-probability; a larger alpha favours longer output.")
+    max_len_a: float = _setting(1.0, "Max output pieces = a * source tokens + b (per "
+                                "sentence, source counted with EOS; the paper: input + 50).")
+    max_len_b: int = _setting(50, "See --max-len-a.")
+    min_len: int = _setting(1, "Min output pieces before EOS may end a hypothesis (1: a "
+                            "non-empty line never gets an empty translation; 0: allow it). "
+                            "--max-len-a/b win where they conflict.")
+    # EARLY_STOPS: "bound" is the paper's code's (tensor2tensor's) rule, "beam" fairseq's,
+    # CTranslate2's and Marian's.
+    early_stop: str = _setting("bound", "When a sentence's search ends: bound (once no "
+                               "unfinished hypothesis can beat the finished ones: the "
+                               "paper's code, the best the beam can find) | beam (once beam "
+                               "hypotheses have finished, as fairseq and CTranslate2: fewer "
+                               "steps, faster).")
+    nbest: int = _setting(1, "Hypotheses per line; > 1 prints index<TAB>score<TAB>text lines "
+                          "(index from 0).")
+    sampling: bool = _setting(False, "Sample instead of beam search.", flag="--sampling")
+    temperature: float = _setting(1.0, "Sampling temperature.")
+    top_k: int = _setting(0, "Sample among the k best tokens; 0 = all.")
+    top_p: float = _setting(1.0, "Nucleus sampling mass; 1.0 = off.")
+    # Padded source tokens per batch, EOS included, as training's --max-tokens counts them
+    # (nmt.data.batching.batch_by_tokens); None: by device (MAX_TOKENS_BY_DEVICE),
+    # resolved by the engine.
+    max_tokens: int | None = _setting(None, "Source tokens per batch, padding included.",
+                                      shown_default="2048 on a CPU, 8192 on a GPU")
+    buffer_size: int = _setting(2000, "Lines read ahead and length-sorted.")
 
     def __post_init__(self) -> None:
         _check_positive(self, ("beam", "nbest", "buffer_size"))
@@ -321,11 +330,19 @@ class RuntimeConfig:
     """How a model runs for translation: `nmt translate`'s flags and the Python API's
     defaults, checked once here (the device's availability is checked when resolved)."""
 
-    device: str = "auto"  # see DEVICES
-    precision: str = "auto"  # see DECODE_PRECISIONS: bf16 where native, else fp32
-    weights: str = "auto"  # see WEIGHTS: a checkpoint's EMA weights where it has them
-    seed: int = 1  # for --sampling
-    errors: str = "replace"  # see ERROR_MODES: replace (U+FFFD) | strict (exit 3)
+    device: str = _setting("auto", "auto | cpu | cuda.")  # see DEVICES
+    precision: str = _setting(  # see DECODE_PRECISIONS
+        "auto", "auto | fp32 | bf16 | fp16 | int8 model weights (int8: CPU only, int8 linear "
+        "layers, see docs/inference.md). auto: bf16 where the CPU (AVX512-BF16/AMX) or GPU "
+        "computes it natively (fp16 on pre-Ampere GPUs), else fp32; as `train` does. "
+        "Outputs may differ from fp32 in rounding only. On a CPU the linears run through "
+        "oneDNN with packed weights (fp32 and bf16).")
+    weights: str = _setting("auto", "auto | raw | ema: which weights of a checkpoint trained "
+                            "with --ema-decay to use (auto: the EMA ones where the file has "
+                            "them).")  # see WEIGHTS
+    seed: int = _setting(1, "Seed for --sampling.")
+    errors: str = _setting("replace", "Invalid UTF-8: 'replace' (U+FFFD) or 'strict' (exit 3 "
+                           "naming the line).")  # see ERROR_MODES
 
     def __post_init__(self) -> None:
         _check_non_negative(self, ("seed",))

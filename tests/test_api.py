@@ -61,7 +61,7 @@ def test_translate_equals_the_cli_byte_for_byte(translator, ckpt: Path, lines: l
     assert result.returncode == 0, result.err
     assert result.stdout == ("\n".join(got) + "\n").encode("utf-8")
 
-    best = translator.translate(lines[:20], nbest=3, beam=4, **SHORT)
+    best = translator.translate_hypotheses(lines[:20], nbest=3, beam=4, **SHORT)
     cli = nmt_cli.run("translate", "-m", ckpt, *SHORT_FLAGS, "--nbest", "3",
                       input="\n".join(lines[:20]) + "\n")
     expected = "".join(f"{i}\t{h.score:.4f}\t{h.text}\n" for i, r in enumerate(best)
@@ -70,13 +70,16 @@ def test_translate_equals_the_cli_byte_for_byte(translator, ckpt: Path, lines: l
 
 
 def test_nbest_and_scores_are_typed_results(translator, lines: list[str]) -> None:
-    results = translator.translate(lines[:5] + [""], nbest=2, **SHORT)
+    """One return type per call: strings from translate, results from
+    translate_hypotheses."""
+    results = translator.translate_hypotheses(lines[:5] + [""], nbest=2, **SHORT)
     assert len(results) == 6 and results[-1].hypotheses == [] and results[-1].text == ""
     for result in results[:5]:
         assert len(result.hypotheses) == 2 and result.text == result.hypotheses[0].text
         assert result.hypotheses[0].score >= result.hypotheses[1].score
         assert all(h.log_prob < 0 for h in result.hypotheses)
-    one = translator.translate(lines[:3], return_scores=True, **SHORT)
+    one = translator.translate_hypotheses(lines[:3], **SHORT)
+    assert [len(r.hypotheses) for r in one] == [1, 1, 1]
     assert [r.text for r in one] == translator.translate(lines[:3], **SHORT)
 
 
@@ -174,9 +177,37 @@ def test_bad_arguments_are_usage_errors(translator) -> None:
     with pytest.raises(UsageError, match=r"lines\[1\] is int"):
         translator.translate(["A man.", 3])
     with pytest.raises(UsageError, match="exceeds --beam"):
-        translator.translate(["A man."], nbest=5)
+        translator.translate_hypotheses(["A man."], nbest=5)
+    with pytest.raises(UsageError, match="use translate_hypotheses"):
+        translator.translate(["A man."], nbest=2)
+    with pytest.raises(UsageError, match="unknown option.s. colour; the options are beam, "):
+        translator.translate(["A man."], colour=2)
     with pytest.raises(UsageError, match="max_src_len must be in 1.."):
         translator.translate(["A man."], max_src_len=0)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_parameters_are_the_models_whatever_its_linears_became(ckpt: Path,
+                                                               precision: str) -> None:
+    """Packed (fp32) or quantized (int8) linears hold no parameters: the count is the
+    checkpoint's model's, taken before."""
+    from nmt import Translator
+    from nmt.checkpoint import load_model
+
+    model = load_model(ckpt, "cpu", "auto")[0]
+    want = sum(p.numel() for p in model.parameters())
+    assert Translator.load(ckpt, precision=precision, quiet=True).parameters == want
+
+
+def test_a_lone_surrogate_reads_as_u_fffd(translator) -> None:
+    """A str may hold a lone surrogate that no UTF-8 can (sentencepiece raised a raw
+    TypeError): translate, score, prefixes and counting read it as U+FFFD."""
+    odd, fixed = ["A dog \ud800 runs.", "\udfff"], ["A dog \ufffd runs.", "\ufffd"]
+    assert translator.translate(odd, **SHORT) == translator.translate(fixed, **SHORT)
+    assert translator.translate(odd, target_prefix=["\ud800", None], **SHORT) == \
+        translator.translate(fixed, target_prefix=["\ufffd", None], **SHORT)
+    assert translator.score(odd, odd) == translator.score(fixed, fixed)
+    assert translator.count_tokens(odd) == translator.count_tokens(fixed)
 
 
 def test_one_translator_shared_by_threads(translator, lines: list[str]) -> None:
@@ -215,8 +246,8 @@ def test_every_cache_reorder_of_a_translation_carries_its_layout(
         return real(self, new_order, layout)
 
     monkeypatch.setattr(GroupedCache, "reorder", reorder)
-    translator.translate(lines[:6], sampling=True, seed=3, nbest=nbest, **SHORT)
-    translator.translate(lines[:6], nbest=nbest, **SHORT)
+    translator.translate_hypotheses(lines[:6], sampling=True, seed=3, nbest=nbest, **SHORT)
+    translator.translate_hypotheses(lines[:6], nbest=nbest, **SHORT)
     assert layouts and all(layout is not None for layout in layouts), layouts
 
 

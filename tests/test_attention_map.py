@@ -16,7 +16,7 @@ from nmt.config import DecodeConfig
 from nmt.data.vocab import BOS_ID, EOS_ID, PAD_ID
 from nmt.errors import UsageError
 from nmt.inference.attention_map import attention_maps, piece_labels, resolve_layer
-from nmt.inference.translate import Translator
+from nmt.inference.translate import Engine
 from nmt.plot import plot_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -46,10 +46,10 @@ def test_lines() -> list[str]:
     return text.split("\n")[:6]
 
 
-def translated(ckpt: Path, lines: list[str]) -> tuple[Translator, list[list[int]],
+def translated(ckpt: Path, lines: list[str]) -> tuple[Engine, list[list[int]],
                                                         list[list[int]]]:
     """Source ids and best hypotheses (ids without EOS) of real test lines, beam 2."""
-    translator = Translator.load([ckpt], DecodeConfig(beam=2, max_len_b=6), device="cpu",
+    translator = Engine.load([ckpt], DecodeConfig(beam=2, max_len_b=6), device="cpu",
                                  precision="fp32")
     sources = translator.vocab.encode(lines)
     hyps = [h[0].tokens for h in translator.translate_ids(sources)]

@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers.batching import batch_by_tokens_slow
 
-from nmt.data.batching import (
-    batch_by_tokens,
-    batch_by_tokens_slow,
-    collate,
-    epoch_order,
-    shard,
-)
+from nmt.data.batching import batch_by_tokens, collate, epoch_order, shard
 from nmt.data.vocab import BOS_ID, EOS_ID, PAD_ID
 
 

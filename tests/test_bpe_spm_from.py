@@ -1,5 +1,5 @@
 """`nmt bpe DATA --spm-from MODEL.pt`: new data encoded with the vocabulary inside a
-checkpoint, so a fine-tuned model's ids match its parent's (issue 16). Real Multi30k text:
+checkpoint, so a fine-tuned model's ids match its parent's. Real Multi30k text:
 the parent's vocabulary from one part of the training set, the new data from another."""
 
 from __future__ import annotations

@@ -81,15 +81,15 @@ def test_mixed_precision_training_tracks_cpu_fp32(data, tmp_path, precision):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_translate_on_cuda_keeps_lines_and_agrees_with_cpu(data, tmp_path, precision):
-    from nmt.inference.translate import Translator
+    from nmt.inference.translate import Engine
 
     train(data, tmp_path / "run", MODEL, _cfg(max_updates=40, save_interval_updates=0),
           "cpu", progress=False)
     model = tmp_path / "run" / "checkpoint_last.pt"
     cfg = DecodeConfig()
     sources = [[5 + (i * 7 + j) % 40 for j in range(3 + i % 9)] for i in range(50)]
-    cpu = Translator.load([model], cfg, "cpu", "fp32").translate_ids(sources)
-    gpu = Translator.load([model], cfg, "cuda", precision).translate_ids(sources)
+    cpu = Engine.load([model], cfg, "cpu", "fp32").translate_ids(sources)
+    gpu = Engine.load([model], cfg, "cuda", precision).translate_ids(sources)
     assert len(gpu) == len(sources)
     same = sum(a[0].tokens == b[0].tokens for a, b in zip(cpu, gpu, strict=True))
     assert same >= (50 if precision == "fp32" else 40), same

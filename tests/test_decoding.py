@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 from helpers.models import VOCAB, make_model, random_batch
+from helpers.plain_cache import PlainCache
 
 import nmt.inference.search
 from nmt.config import model_preset
@@ -23,7 +24,7 @@ from nmt.inference.decoding import (
     greedy_search,
     init_state,
 )
-from nmt.inference.kv_cache import INITIAL_CAPACITY, Regroup
+from nmt.inference.kv_cache import INITIAL_CAPACITY, GroupedCache, Regroup
 from nmt.inference.search import beam_search, max_output_lengths
 from nmt.model.transformer import Transformer
 from nmt.special_ids import BOS_ID, EOS_ID, PAD_ID
@@ -145,8 +146,8 @@ def test_grouped_cache_equals_plain_cache_step_by_step(variant: dict) -> None:
     model = make_model(seed=4, **variant)
     src = random_batch([7, 4, 5], seed=9)
     enc = model.encode(src)
-    caches = {name: init_state(model, enc, attention_layer=1, cache=name)
-              for name in ("grouped", "plain")}
+    caches = {name: init_state(model, enc, attention_layer=1, cache=kind)
+              for name, kind in (("grouped", GroupedCache), ("plain", PlainCache))}
     beam, steps = 3, 2 * INITIAL_CAPACITY + 3  # grows twice
     expand = torch.arange(3).repeat_interleave(beam)
     reorders = {0: expand, 4: torch.tensor([1, 0, 2, 5, 3, 4, 8, 7, 6]),
@@ -188,9 +189,9 @@ def test_beam_search_over_grouped_cache_equals_plain_cache(alpha: float) -> None
     src = padded(sources)
     max_lens = max_output_lengths(src, 1.0, 6, cap=63)
     found = {}
-    for cache in ("grouped", "plain"):
+    for name, cache in (("grouped", GroupedCache), ("plain", PlainCache)):
         with ModelStepDecoder(model, src, cache=cache) as decoder:
-            found[cache] = beam_search(decoder, max_lens, beam=4, alpha=alpha, nbest=3,
+            found[name] = beam_search(decoder, max_lens, beam=4, alpha=alpha, nbest=3,
                                        min_len=1)
     for fast, plain in zip(found["grouped"], found["plain"], strict=True):
         assert [h.tokens for h in fast] == [h.tokens for h in plain]

@@ -3,7 +3,7 @@ trained here for a few seconds (real BPE vocabulary, 120 Adam steps on 4,000 tra
 enough for varied, mostly EOS-terminated German-looking output, so sentences finish at
 different steps), checked with invariants rather than stored outputs:
 
-- the Translator's pooled memory changes nothing: a second pass over the same lines
+- the Engine's pooled memory changes nothing: a second pass over the same lines
   (every batch reusing the memory the previous left) equals the first, and a fresh
   translator's batches equal both;
 - a sentence decodes the same alone as inside its batch (beam 4, nbest 2);
@@ -25,7 +25,7 @@ from nmt.config import DecodeConfig, model_preset
 from nmt.data.vocab import Vocab
 from nmt.inference.decoding import DecodingWorkspace, ModelStepDecoder, greedy_search
 from nmt.inference.search import Hypothesis, beam_search, max_output_lengths
-from nmt.inference.translate import Translator, source_batches
+from nmt.inference.translate import Engine, source_batches
 from nmt.model.transformer import EncoderOutput, Transformer
 from nmt.special_ids import BOS_ID, EOS_ID, PAD_ID
 
@@ -59,7 +59,7 @@ def train_tiny(vocab: Vocab, multi30k: Path, steps: int = 120) -> Transformer:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Translator, list[list[int]]]:
+def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Engine, list[list[int]]]:
     from conftest import shared_data_path
 
     multi30k = shared_data_path("multi30k")
@@ -74,7 +74,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Translator, list[li
     ckpt = work / "model.pt"
     save_checkpoint({"format": FORMAT, "step": 120, "model_config": model.cfg.to_dict(),
                      "vocab": proto, "model": model.state_dict()}, ckpt)
-    translator = Translator.load([ckpt], CFG, device="cpu", precision="fp32")
+    translator = Engine.load([ckpt], CFG, device="cpu", precision="fp32")
     text = (multi30k / "test_2016_flickr.en").read_text(encoding="utf-8")
     sources = [ids for ids in translator.vocab.encode(text.split("\n")[:LINES]) if ids]
     assert len(sources) == LINES
@@ -90,7 +90,7 @@ def padded(rows: list[list[int]], eos: bool = True) -> torch.Tensor:
     return out  # (batch, len)
 
 
-def translate_all(translator: Translator, sources: list[list[int]]) -> list[list[Hypothesis]]:
+def translate_all(translator: Engine, sources: list[list[int]]) -> list[list[Hypothesis]]:
     """Every source through the translator in its length-sorted batches, input order."""
     results: list[list[Hypothesis]] = [[] for _ in sources]
     for batch in source_batches([len(s) for s in sources], CFG.max_tokens):

@@ -4,11 +4,11 @@ from the source with `ast`: every import of every module, lazy ones inside funct
 - `cli -> nmt` only: the library never imports the CLI or its frameworks.
 - Packages layer one way: nmt.data and nmt.model use only the shared top-level modules,
   nmt.inference adds them, nmt.train adds nmt.inference; the shared modules reach up only
-  where checkpoint builds a model (`build_model`, lazily).
+  where checkpoint builds a model (`load_model`, lazily).
 - The network (nmt.model) is torch, nmt.config and nmt.errors alone.
 - `nmt/inference/search.py` is pure algorithms: torch, the standard library and the special ids.
-- Caches live in one place: only nmt/inference/decoding.py imports the caches (kv_cache.py,
-  plain_cache.py); the network sees them through nmt/model/incremental.py alone.
+- Caches live in one place: only nmt/inference/decoding.py imports the cache (kv_cache.py);
+  the network sees it through nmt/model/incremental.py alone.
 - No import circles between modules, lazy imports included.
 - No `__del__` in the library: lifetimes are explicit (context managers, owner objects).
 """
@@ -29,7 +29,7 @@ FORBIDDEN_IN_LIBRARY = {"cli", "typer", "rich"}  # rich: progress bars are drawn
 SEARCH_MAY_IMPORT = {"torch", "nmt.special_ids"}
 NETWORK_MAY_IMPORT = {"nmt.config", "nmt.errors"}  # besides torch and nmt.model itself
 CACHE_OWNERS = {"nmt.inference.decoding"}  # the only importers of the caches
-CACHES = {"nmt.inference.kv_cache", "nmt.inference.plain_cache"}
+CACHES = {"nmt.inference.kv_cache"}
 PACKAGES = ("nmt.data", "nmt.model", "nmt.inference", "nmt.train", "nmt.api", "nmt.serve")
 # What each layer may import besides the standard library, torch and the other packages:
 # "shared" is every top-level module of nmt (config, checkpoint, errors, ...).

@@ -156,11 +156,11 @@ def beam_outputs(checkpoint: Path, model_dir: Path, sources: list[str], alpha: f
     import io
 
     from nmt.config import DecodeConfig
-    from nmt.inference.translate import Translator, translate_stream
+    from nmt.inference.translate import Engine, translate_stream
 
     cfg = DecodeConfig(beam=4, alpha=alpha, max_len_a=0.0, max_len_b=max_len,
                        max_tokens=2048, buffer_size=len(sources))
-    translator = Translator.load([checkpoint], cfg, device="cpu", precision="fp32")
+    translator = Engine.load([checkpoint], cfg, device="cpu", precision="fp32")
     sink = io.BytesIO()
     translate_stream(io.BytesIO(("\n".join(sources) + "\n").encode()), sink, translator)
     ours = sink.getvalue().decode("utf-8").split("\n")[:-1]

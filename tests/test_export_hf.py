@@ -93,11 +93,11 @@ def test_search_output_identical(exported: Path, multi30k_model: Path, beam: int
                                  test2016: tuple[list[str], list[str]]) -> None:
     """Greedy, and beam 4 at length penalty 0, over 300 lines: identical on >= 99 % of
     those that end before the length limit (both stop at 40 pieces here)."""
-    from nmt.inference.translate import Translator, translate_texts
+    from nmt.inference.translate import Engine, translate_texts
 
     sources = test2016[0][:300]
     limit = 40
-    translator = Translator.load([multi30k_model], DecodeConfig(
+    translator = Engine.load([multi30k_model], DecodeConfig(
         beam=beam, alpha=0.0, max_len_a=0.0, max_len_b=limit), device="cpu",
         precision="fp32")
     ours = [r.hypotheses[0].tokens for r in translate_texts(translator, sources)]

@@ -17,7 +17,7 @@ from helpers.cli import NmtCli
 
 from nmt.config import DecodeConfig
 from nmt.errors import DataError
-from nmt.inference.translate import Translator, translate_stream
+from nmt.inference.translate import Engine, translate_stream
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -102,8 +102,8 @@ def test_fuzz_a_few_inputs_of_every_class(ckpt: Path) -> None:
 def _fuzz(ckpt: Path, per_class: int | None) -> int:
     """Translate `per_class` generated inputs of every class (all when None) and check
     one output line per input line, order, UTF-8 and --errors strict; returns how many."""
-    translator = Translator.load([ckpt], DecodeConfig(beam=2, max_len_b=2), device="cpu")
-    strict = Translator.load([ckpt], DecodeConfig(beam=1, max_len_b=1), device="cpu")
+    translator = Engine.load([ckpt], DecodeConfig(beam=2, max_len_b=2), device="cpu")
+    strict = Engine.load([ckpt], DecodeConfig(beam=1, max_len_b=1), device="cpu")
     rng = random.Random(1234)
     tried = 0
     for name, (make, count) in CLASSES.items():

@@ -1,5 +1,5 @@
 """bench/gpu_train_speed.py and bench/gpu_translate_speed.py in their CPU smoke modes, so
-the scripts a GPU session runs for issue 14 cannot rot between GPU sessions. Checks the
+the scripts a GPU session runs cannot rot between GPU sessions. Checks the
 JSON line's fields, not speed."""
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from nmt.inference.int8_linear import (
     quantize_weight,
 )
 from nmt.inference.packed_linear import PackedLinear
-from nmt.inference.translate import Translator, translate_stream
+from nmt.inference.translate import Engine, translate_stream
 from nmt.model.transformer import Transformer
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.isa]
@@ -144,7 +144,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple:
 
 
 def stream(checkpoint: object, precision: str, lines: list[str]) -> list[str]:
-    translator = Translator.load([checkpoint], DecodeConfig(beam=4, max_len_b=12,
+    translator = Engine.load([checkpoint], DecodeConfig(beam=4, max_len_b=12,
                                                             max_tokens=200),
                                  device="cpu", precision=precision)
     sink = io.BytesIO()
@@ -160,7 +160,7 @@ def test_int8_translates_a_trained_model_like_fp32(trained: tuple) -> None:
     lines = [line for i, s in enumerate(sources) for line in ((s, "") if i % 7 == 0 else (s,))]
     fp32 = stream(checkpoint, "fp32", lines)
     int8 = stream(checkpoint, "int8", lines)
-    loaded = Translator.load([checkpoint], DecodeConfig(), device="cpu", precision="int8")
+    loaded = Engine.load([checkpoint], DecodeConfig(), device="cpu", precision="int8")
     assert isinstance(loaded.workspaces[0].projection, Int8Linear)  # the vocabulary too
     assert len(int8) == len(lines) == len(fp32)
     assert [i for i, out in enumerate(int8) if not out] == \

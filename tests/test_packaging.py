@@ -1,5 +1,5 @@
 """A wheel built from this tree ships the recipes: `nmt prep --list` works from an install
-with no source tree beside it (issue 17). Offline: no build isolation, no dependencies
+with no source tree beside it. Offline: no build isolation, no dependencies
 fetched; the new environment borrows torch & co. from the running one through a .pth file."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Preemption (issue 23, item 5) with gloo on the CPU: SIGTERM to one rank, or to the
+"""Preemption with gloo on the CPU: SIGTERM to one rank, or to the
 launcher of `nmt train --nproc 2`, makes every rank save the same update and stop with
 exit 75; running the same command again resumes, and the final weights equal those of a
 run never interrupted."""

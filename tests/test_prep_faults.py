@@ -1,4 +1,4 @@
-"""Faults `nmt prep` must survive (issue 6): each is one stderr line naming the file, the
+"""Faults `nmt prep` must survive: each is one stderr line naming the file, the
 documented exit code, and no partial output. Driven through the real CLI in a subprocess."""
 
 from __future__ import annotations

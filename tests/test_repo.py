@@ -62,3 +62,19 @@ def test_tests_on_slow_fixtures_are_marked_slow_at_collection(request) -> None:
     users = [item for item in request.session.items
              if SLOW_FIXTURES.keys() & set(getattr(item, "fixturenames", ()))]
     assert all(item.get_closest_marker("slow") for item in users)
+
+
+def test_every_environment_switch_is_listed_and_read_through_switches() -> None:
+    """The NMT_* variables the library reads are the ones nmt/switches.py lists (NMT_MIRROR
+    is `nmt prep --mirror`'s, read by typer), each read through `switch()` when used."""
+    import re
+
+    from nmt.switches import SWITCHES
+
+    named: set[str] = set()
+    for path in sorted((REPO / "nmt").rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        named |= set(re.findall(r"\bNMT_[A-Z0-9_]+\b", text))
+        if path.name != "switches.py":
+            assert "environ.get(\"NMT_" not in text, f"{path}: read NMT_* through switch()"
+    assert named - {"NMT_MIRROR"} == set(SWITCHES), "list each switch in nmt/switches.py"

@@ -26,12 +26,13 @@ from typing import Any
 import pytest
 import torch
 from helpers.models import make_model, random_batch
+from helpers.plain_cache import PlainCache
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-import nmt.inference.kv_cache
 import nmt.inference.search
 from nmt.inference.decoding import ModelStepDecoder
+from nmt.inference.kv_cache import GroupedCache
 from nmt.inference.search import (
     EnsembleStepDecoder,
     Hypothesis,
@@ -230,7 +231,8 @@ def test_beam_search_reads_the_host_once_per_step(model: Transformer, kind: str)
         decoder: Any = EnsembleStepDecoder([ModelStepDecoder(model, src),
                                             ModelStepDecoder(make_model(seed=4), src)])
     else:
-        decoder = ModelStepDecoder(model, src, cache=kind)
+        decoder = ModelStepDecoder(model, src,
+                                   cache=PlainCache if kind == "plain" else GroupedCache)
     log = ShapeLog(decoder)
     with counted(log) as traffic:
         hyps = beam_search(log, max_lens, beam=4, alpha=0.6, nbest=2, min_len=1)
@@ -368,7 +370,7 @@ def test_regroup_equals_reorder(model: Transformer, compact_at: float,
                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Telling the cache each reorder's layout changes nothing, bit for bit, through
     expansion, beam reorders, dead groups and compactions; and every promise the search
-    makes is true (CHECK_LAYOUT verifies each against the order)."""
+    makes is true (NMT_CHECK_LAYOUT verifies each against the order)."""
     monkeypatch.setattr(nmt.inference.search, "COMPACT_AT", compact_at)
     src, max_lens = batch()
 
@@ -378,7 +380,7 @@ def test_regroup_equals_reorder(model: Transformer, compact_at: float,
     told = run(ModelStepDecoder(model, src))
     found = run(Reorderer(ModelStepDecoder(model, src)))
     assert flat(told) == flat(found)
-    monkeypatch.setattr(nmt.inference.kv_cache, "CHECK_LAYOUT", True)
+    monkeypatch.setenv("NMT_CHECK_LAYOUT", "1")
     assert flat(run(ModelStepDecoder(model, src))) == flat(told)
 
 
@@ -386,7 +388,7 @@ def test_regroup_equals_reorder(model: Transformer, compact_at: float,
 def test_a_false_layout_promise_is_caught(model: Transformer,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Sizes that cannot make the promised groups raise ValueError always; an order that
-    breaks its promise otherwise raises under CHECK_LAYOUT (trusted without it)."""
+    breaks its promise otherwise raises under NMT_CHECK_LAYOUT (trusted without it)."""
     from nmt.inference.kv_cache import GroupedCache, Regroup
 
     src, _ = batch()
@@ -402,7 +404,7 @@ def test_a_false_layout_promise_is_caught(model: Transformer,
         expanded().reorder(torch.arange(4), Regroup(2, None))  # 2 groups, 3 promised
     across = torch.tensor([2, 3, 0, 1, 4, 5])  # groups 0 and 1 swap places
     expanded().reorder(across, Regroup(2, None))  # trusted: no read of the order
-    monkeypatch.setattr(nmt.inference.kv_cache, "CHECK_LAYOUT", True)
+    monkeypatch.setenv("NMT_CHECK_LAYOUT", "1")
     with pytest.raises(RuntimeError, match="promised"):
         expanded().reorder(across, Regroup(2, None))
     expanded().reorder(across, Regroup(2, torch.tensor([1, 0, 2])))  # the truth passes

@@ -223,12 +223,30 @@ def test_concurrent_requests_answer_as_alone(server: Server, lines: list[str]) -
     (lambda s: s.post("/v1/score", {"sources": ["x"], "targets": []}), 400,
      "1 sources but 0 targets"),
     (lambda s: s.get("/nowhere"), 404, "Not Found"),
+    (lambda s: s.request("/translate", b'{"q": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+                         "application/json"), 400, "Invalid JSON format: nested too deeply"),
+    (lambda s: s.post("/translate", {"q": "x", "source": "en", "target": "\ud800"}), 400,
+     "\ud800 is not supported"),  # echoed as JSON's escape: UTF-8 cannot hold it
 ])
 def test_bad_input_gets_its_status_and_the_server_goes_on(server: Server, make: Any,
                                                           status: int, message: str) -> None:
     got, body, _ = make(server)
     assert got == status and set(body) == {"error"} and message in body["error"], body
     assert server.post("/translate", {"q": "A dog.", "source": "en", "target": "de"})[0] == 200
+
+
+def test_a_lone_surrogate_is_translated_as_u_fffd(server: Server) -> None:
+    """JSON may carry a lone surrogate, UTF-8 cannot: it is read as U+FFFD (as invalid
+    UTF-8 is in `nmt translate`'s input), so the line translates like one holding U+FFFD."""
+    want = server.post("/v1/translate", {"inputs": ["A dog \ufffd runs."]})
+    got = server.post("/v1/translate", {"inputs": ["A dog \ud800 runs."]})
+    assert got[0] == 200 and got[1] == want[1], got
+    libre = server.post("/translate", {"q": "A dog \ud800 runs.", "source": "en",
+                                       "target": "de"})
+    assert libre[0] == 200 and libre[1]["translatedText"] == want[1]["outputs"][0]["text"]
+    score = server.post("/v1/score", {"sources": ["A dog \udfff."], "targets": ["\ud800"]})
+    assert score[0] == 200 and score[1] == server.post(
+        "/v1/score", {"sources": ["A dog \ufffd."], "targets": ["\ufffd"]})[1]
 
 
 def test_client_that_disconnects_does_not_wedge_the_server(server: Server) -> None:

@@ -13,7 +13,7 @@ import pytest
 from nmt.config import DecodeConfig
 from nmt.data.shortlist import SPECIALS, Shortlist, learn_shortlist
 from nmt.errors import DataError
-from nmt.inference.translate import Translator, translate_stream
+from nmt.inference.translate import Engine, translate_stream
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -79,9 +79,9 @@ def test_a_shortlist_of_every_piece_decodes_as_the_full_vocabulary(
         encoding="utf-8").split("\n")[:60]
     prefixes = settings.pop("prefixes", False)
     cfg = DecodeConfig(max_len_b=6, max_tokens=128, buffer_size=30, **settings)
-    plain = Translator.load([tiny_checkpoint], cfg, device="cpu", precision="fp32", seed=3)
+    plain = Engine.load([tiny_checkpoint], cfg, device="cpu", precision="fp32", seed=3)
     path = everything(len(plain.vocab), tmp_path / "all.npz")
-    listed = Translator.load([tiny_checkpoint], cfg, device="cpu", precision="fp32", seed=3,
+    listed = Engine.load([tiny_checkpoint], cfg, device="cpu", precision="fp32", seed=3,
                              shortlist=path)
     data = ("\n".join(lines) + "\n").encode()
     prefix = ("\n".join("Ein" if i % 3 == 0 else "" for i in range(len(lines))) + "\n").encode()
@@ -124,7 +124,7 @@ def test_a_step_over_columns_is_the_full_step_renormalised_over_them(tiny_checkp
 
     from nmt.inference.decoding import ModelStepDecoder
 
-    translator = Translator.load([tiny_checkpoint], DecodeConfig(max_len_b=5), device="cpu",
+    translator = Engine.load([tiny_checkpoint], DecodeConfig(max_len_b=5), device="cpu",
                                  precision="fp32")
     model, workspace = translator.models[0], translator.workspaces[0]
     columns = torch.cat([torch.arange(4), torch.arange(300, 600, 3)])  # specials, then some
@@ -141,7 +141,7 @@ def test_a_step_over_columns_is_the_full_step_renormalised_over_them(tiny_checkp
     path = tmp_path / "subset.npz"
     Shortlist(np.tile(columns[4:].numpy().astype(np.int32), (600, 1)),
               np.arange(4, dtype=np.int32), 600).save(path)
-    listed_tr = Translator.load([tiny_checkpoint], DecodeConfig(max_len_b=5), device="cpu",
+    listed_tr = Engine.load([tiny_checkpoint], DecodeConfig(max_len_b=5), device="cpu",
                                 precision="fp32", shortlist=path)
     allowed = set(columns.tolist())
     for hyps in listed_tr.translate_ids([[17, 42, 99], [5, 8], [300]]):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 from helpers.data import multi30k_data
 
@@ -55,6 +57,20 @@ def test_cli_rejects_bad_flags(m30k_data, tmp_path, nmt_cli):
     code, err = train(str(tmp_path / "nothing"), "-o", str(tmp_path / "r"))
     assert code == 3 and "nmt bpe" in err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_broken_valid_split_is_an_error_not_skipped(m30k_data, tmp_path, nmt_cli):
+    """A valid split that was binarized but cannot be read stops training with the file
+    named (exit 3); only a split never binarized means "no validation"."""
+    data = tmp_path / "data"
+    shutil.copytree(m30k_data, data)
+    (data / "bin" / "valid.tgt.tokens.npy").write_bytes(b"not an array")
+    result = nmt_cli.invoke("train", str(data), "-o", str(tmp_path / "r"), "--arch", "tiny",
+                            "--device", "cpu", "--max-updates", "1")
+    err = result.stderr.decode()
+    assert result.returncode == 3 and "valid.tgt.tokens.npy" in err, err
+    errors = [line for line in err.splitlines() if line.startswith("nmt train: error:")]
+    assert len(errors) == 1 and "valid.tgt" in errors[0] and "Traceback" not in err
 
 
 @pytest.mark.slow

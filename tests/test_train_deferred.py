@@ -1,4 +1,4 @@
-"""The deferred statistics path of `nmt train` (issue 23, item 7), run on the CPU.
+"""The deferred statistics path of `nmt train`, run on the CPU.
 
 On CUDA the Trainer queues each update's optimizer step behind its backward, with the
 skip of a non-finite update decided on the device (fused Adam's `found_inf`), and reads

@@ -252,7 +252,7 @@ def test_valid_bleu_decodes_as_translate_does(tmp_path, one_thread, monkeypatch)
     from nmt.checkpoint import load_model
     from nmt.config import DecodeConfig
     from nmt.data.dataset import load_vocab
-    from nmt.inference.translate import Translator
+    from nmt.inference.translate import Engine
     from nmt.train.distributed import DistEnv
     from nmt.train.validate import validate
 
@@ -274,7 +274,7 @@ def test_valid_bleu_decodes_as_translate_does(tmp_path, one_thread, monkeypatch)
     validate(model, valid, vocab, _cfg(valid_bleu=True, valid_beam=1), torch.device("cpu"),
              DistEnv(), bleu=True, data_dir=data)
     assert beams == []  # greedy
-    translator = Translator.load([path], DecodeConfig(), device="cpu", precision="fp32",
+    translator = Engine.load([path], DecodeConfig(), device="cpu", precision="fp32",
                                  weights="raw")
     sources = vocab.encode((data / "valid.src").read_text().splitlines())
     hyps = vocab.decode([h[0].tokens for h in translator.translate_ids(sources)])

@@ -1,4 +1,4 @@
-"""`nmt train`'s options come from the config dataclasses (issue 24, item 5): each
+"""`nmt train`'s options come from the config dataclasses: each
 TrainConfig field and each settable ModelConfig field is a flag named, explained and shown
 with its default by the field's metadata, with no list of them in cli/train.py."""
 
@@ -14,7 +14,8 @@ import typer.models
 from helpers.cli import NMT_CLI, assert_one_line
 from typer.testing import CliRunner
 
-from cli.train import command, config_options
+from cli.options import config_options
+from cli.train import command
 from nmt.config import (
     MODEL_PRESETS,
     SETTABLE_MODEL_FIELDS,

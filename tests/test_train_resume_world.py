@@ -1,4 +1,4 @@
-"""Resuming where the number of processes or of visible GPUs changed (issue 23, item 1).
+"""Resuming where the number of processes or of visible GPUs changed.
 
 - The CUDA RNG state saved is the rank's own device's, restored onto the resuming rank's
   device: a run saved with 8 visible GPUs resumes where 4 are visible (before: every

@@ -14,7 +14,7 @@ from conftest import REPO
 from helpers.cli import NmtCli
 
 from nmt.config import DecodeConfig
-from nmt.inference.translate import Translator, read_lines, source_batches, translate_stream
+from nmt.inference.translate import Engine, read_lines, source_batches, translate_stream
 from nmt.precision import resolve_precision
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -39,7 +39,7 @@ def test_lines() -> list[str]:
 def alone(ckpt: Path, lines: list[str], **cfg: object) -> list[str]:
     """Reference: each line translated on its own, in process, in fp32 (CLI runs compared
     with it pass --precision fp32: bf16 GEMMs may round differently at another batch size)."""
-    translator = Translator.load([ckpt], DecodeConfig(**cfg), device="cpu", precision="fp32")
+    translator = Engine.load([ckpt], DecodeConfig(**cfg), device="cpu", precision="fp32")
     out = []
     for line in lines:
         ids = translator.vocab.encode([line])[0]
@@ -123,7 +123,7 @@ def test_default_precision_is_auto(ckpt: Path, test_lines: list[str], nmt_cli: N
     auto = nmt_cli.invoke("translate", "-m", str(ckpt), *FAST, "--precision", "auto", input=source)
     assert default.returncode == 0 and auto.returncode == 0, default.stderr.decode()
     assert default.stdout == auto.stdout and default.stdout.count(b"\n") == 8
-    translator = Translator.load([ckpt], DecodeConfig(beam=2), device="cpu", precision="auto")
+    translator = Engine.load([ckpt], DecodeConfig(beam=2), device="cpu", precision="auto")
     expected = {"bf16": torch.bfloat16, "fp32": torch.float32}[
         resolve_precision("auto", torch.device("cpu"))]
     assert all(p.dtype == expected for p in translator.models[0].parameters())
@@ -168,7 +168,7 @@ def test_stream_in_process_and_helpers(ckpt: Path) -> None:
     # Sorted lengths 1, 2, 5, 9 (+ EOS): 2 x 3 = 6 fits 12; 3 x 6 = 18 does not; 2 x 10 > 12.
     assert source_batches([5, 1, 9, 2], 12) == [[1, 3], [0], [2]]
     assert source_batches([50], 12) == [[0]]  # too long for the budget: alone
-    translator = Translator.load([ckpt], DecodeConfig(beam=2, max_len_b=3), device="cpu",
+    translator = Engine.load([ckpt], DecodeConfig(beam=2, max_len_b=3), device="cpu",
                                  max_src_len=5)
     sink = io.BytesIO()
     warnings: list[str] = []

@@ -20,7 +20,7 @@ from nmt.api import Translator as ApiTranslator
 from nmt.config import DecodeConfig
 from nmt.errors import UsageError, WorkerDied
 from nmt.inference import translate as engine_module
-from nmt.inference.translate import LineReader, Translator, read_lines, translate_stream
+from nmt.inference.translate import Engine, LineReader, read_lines, translate_stream
 from nmt.inference.workers import RemoteTraceback, plan_workers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -39,7 +39,7 @@ def lines() -> list[str]:
     return [("" if i % 41 == 0 else line) for i, line in enumerate(real)]  # some empty lines
 
 
-def stream(translator: Translator, lines: list[str]) -> bytes:
+def stream(translator: Engine, lines: list[str]) -> bytes:
     sink = io.BytesIO()
     translate_stream(io.BytesIO(("\n".join(lines) + "\n").encode()), sink, translator)
     return sink.getvalue()
@@ -48,13 +48,13 @@ def stream(translator: Translator, lines: list[str]) -> bytes:
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint: Path, lines: list[str]) -> bytes:
     """One process's output, which every worker count must reproduce byte for byte."""
-    return stream(Translator.load([tiny_checkpoint], CFG, device="cpu", precision="fp32"), lines)
+    return stream(Engine.load([tiny_checkpoint], CFG, device="cpu", precision="fp32"), lines)
 
 
 @pytest.mark.parametrize("workers", [2, 3])
 def test_any_number_of_workers_writes_the_same_bytes(tiny_checkpoint: Path, lines: list[str],
                                                       reference: bytes, workers: int) -> None:
-    with Translator.load([tiny_checkpoint], CFG, device="cpu", precision="fp32",
+    with Engine.load([tiny_checkpoint], CFG, device="cpu", precision="fp32",
                          workers=workers) as translator:
         assert translator.workers == workers and len(translator.pool.pids) == workers
         assert stream(translator, lines) == reference
@@ -69,7 +69,7 @@ def test_nbest_and_seeded_sampling_do_not_depend_on_the_workers(
     cfg = DecodeConfig(beam=2, max_len_b=6, max_tokens=96, buffer_size=40, **settings)
     outputs = []
     for workers in (1, 2):
-        with Translator.load([tiny_checkpoint], cfg, device="cpu", precision="fp32", seed=7,
+        with Engine.load([tiny_checkpoint], cfg, device="cpu", precision="fp32", seed=7,
                              workers=workers) as translator:
             outputs.append(stream(translator, lines[:120]))
     assert outputs[0] == outputs[1] and outputs[0].count(b"\n") == 120 * 2
@@ -103,16 +103,16 @@ def test_the_api_spreads_calls_and_threads_over_the_workers(tiny_checkpoint: Pat
 def boom_ckpt(tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """translate_ids raises on a batch holding the source "boom boom boom" (patched before
     the workers are forked, so they run it too); yields that source's ids."""
-    vocab = Translator.load([tiny_checkpoint], CFG, device="cpu", precision="fp32").vocab
+    vocab = Engine.load([tiny_checkpoint], CFG, device="cpu", precision="fp32").vocab
     boom = vocab.encode(["boom boom boom"])[0]
-    real = Translator.translate_ids
+    real = Engine.translate_ids
 
-    def translate_ids(self: Translator, sources, prefixes=None, *, seed=None):
+    def translate_ids(self: Engine, sources, prefixes=None, *, seed=None):
         if any(list(s) == boom for s in sources):
             raise ValueError("a bug met in a batch")
         return real(self, sources, prefixes, seed=seed)
 
-    monkeypatch.setattr(engine_module.Translator, "translate_ids", translate_ids)
+    monkeypatch.setattr(engine_module.Engine, "translate_ids", translate_ids)
     yield boom
 
 
@@ -122,7 +122,7 @@ def test_a_batch_that_raises_loses_and_reorders_no_line(tiny_checkpoint: Path, l
                                                          workers: int) -> None:
     bad = list(lines)
     bad[95] = "boom boom boom"  # buffer 3 (lines 81-120) fails
-    with Translator.load([tiny_checkpoint], CFG, device="cpu", precision="fp32",
+    with Engine.load([tiny_checkpoint], CFG, device="cpu", precision="fp32",
                          workers=workers) as translator:
         sink = io.BytesIO()
         with pytest.raises(ValueError, match="a bug met") as caught:
@@ -168,14 +168,14 @@ def _state(pid: int) -> str:
 def test_a_killed_worker_fails_its_buffer_and_keeps_the_lines_before(
         tiny_checkpoint: Path, lines: list[str], reference: bytes, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = Translator.translate_ids
+    real = Engine.translate_ids
 
-    def slow(self: Translator, sources, prefixes=None, *, seed=None):
+    def slow(self: Engine, sources, prefixes=None, *, seed=None):
         time.sleep(0.05)
         return real(self, sources, prefixes, seed=seed)
 
-    monkeypatch.setattr(engine_module.Translator, "translate_ids", slow)
-    with Translator.load([tiny_checkpoint], CFG, device="cpu", precision="fp32",
+    monkeypatch.setattr(engine_module.Engine, "translate_ids", slow)
+    with Engine.load([tiny_checkpoint], CFG, device="cpu", precision="fp32",
                          workers=2) as translator:
         victim = translator.pool.pids[0]
         many = lines * 4
@@ -197,7 +197,7 @@ def test_a_killed_worker_fails_its_buffer_and_keeps_the_lines_before(
         written = out.split(b"\n")[:-1]
         assert len(written) % 40 == 0 and written == full[:len(written)]  # whole buffers
         assert translator.pool.pids == [translator.pool.pids[0]] != [victim]
-        monkeypatch.setattr(engine_module.Translator, "translate_ids", real)
+        monkeypatch.setattr(engine_module.Engine, "translate_ids", real)
         assert stream(translator, lines[:30]) == b"\n".join(reference.split(b"\n")[:30]) + b"\n"
 
 

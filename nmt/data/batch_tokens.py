@@ -1,10 +1,8 @@
 """--batch-tokens B: the shape of an update that holds about B real tokens per side (the
 paper's "about 25000 source tokens and 25000 target tokens"), on any number of processes:
 micro-batches per process (update-freq) and the padded size of each, from the fill that
-`batch_by_tokens` is measured to reach on the training lengths (`FillMeter`).
-
-Deterministic: the same lengths, flags and process count give the same shape, so a resume
-re-derives it exactly, and on another process count derives that count's shape.
+`batch_by_tokens` is measured to reach on the training lengths (`FillMeter`), derived the
+same way every time (`derive_batching`).
 """
 
 from __future__ import annotations

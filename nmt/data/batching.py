@@ -5,8 +5,8 @@ of pairs, where a pair of lengths (s, t) (pieces, without EOS) costs max(s, t) +
 (source + EOS, BOS + target). Pairs are sorted by (cost, source length, target length) so
 batches hold similar lengths and, because cost never decreases along that order, the greedy
 "add pairs while the batch fits" rule can be found batch by batch with one binary search
-(`batch_by_tokens`) instead of a Python loop over millions of pairs. `batch_by_tokens_slow`
-is the obviously-correct loop the tests compare it with.
+(`batch_by_tokens`) instead of a Python loop over millions of pairs (tests/helpers holds the
+obviously-correct loop it is tested equal to).
 """
 
 from __future__ import annotations
@@ -81,29 +81,6 @@ def batch_ends(sorted_costs: np.ndarray, max_tokens: int) -> list[int]:
         start = max(int(np.searchsorted(g, start, side="right")), start + 1)
         ends.append(start)
     return ends
-
-
-def batch_by_tokens_slow(src_lens: Sequence[int], tgt_lens: Sequence[int], max_tokens: int,
-                         max_len: int) -> Batches:
-    """Reference: walk the length order, close a batch when the next pair would overflow."""
-    costs = [max(s, t) + 1 for s, t in zip(src_lens, tgt_lens, strict=True)]
-    order = sorted(range(len(costs)), key=lambda i: (costs[i], src_lens[i], tgt_lens[i], i))
-    batches: list[np.ndarray] = []
-    current: list[int] = []
-    longest = 0
-    skipped = 0
-    for i in order:
-        if costs[i] > max_len or costs[i] > max_tokens:
-            skipped += 1
-            continue
-        if current and max(longest, costs[i]) * (len(current) + 1) > max_tokens:
-            batches.append(np.array(current, dtype=np.int64))
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, costs[i])
-    if current:
-        batches.append(np.array(current, dtype=np.int64))
-    return Batches(batches, skipped)
 
 
 def epoch_order(num_batches: int, seed: int, epoch: int, world_size: int = 1) -> np.ndarray:

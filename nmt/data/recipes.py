@@ -73,12 +73,6 @@ class Archive:
             return "tar"
         return "gz" if name.endswith(".gz") else "plain"
 
-    @property
-    def verifiable(self) -> bool:
-        """True when at least one checksum or size is known."""
-        return any(v is not None for v in (self.sha256, self.md5, self.size,
-                                           self.content_sha256))
-
 
 @dataclass(frozen=True)
 class Source:

@@ -7,6 +7,7 @@ pieces + [EOS].
 
 from __future__ import annotations
 
+import re
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,7 +18,17 @@ from nmt.errors import DataError, UsageError
 from nmt.fileio import atomic_write_bytes
 from nmt.special_ids import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
-__all__ = ["BOS_ID", "EOS_ID", "NORMALIZATION", "PAD_ID", "UNK_ID", "Vocab", "train_vocab"]
+__all__ = ["BOS_ID", "EOS_ID", "NORMALIZATION", "PAD_ID", "UNK_ID", "Vocab", "train_vocab",
+           "unicode_text"]
+
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def unicode_text(text: str) -> str:
+    """`text` with every surrogate code point (a Python str and a JSON string may hold a
+    lone one; no UTF-8 can, and sentencepiece refuses it with a TypeError) replaced by
+    U+FFFD, as input files' invalid UTF-8 is under `--errors replace`."""
+    return _SURROGATES.sub("\ufffd", text)
 
 
 class Vocab:
@@ -49,8 +60,10 @@ class Vocab:
         return self._sp.get_piece_size()
 
     def encode(self, lines: Sequence[str], num_threads: int = -1) -> list[list[int]]:
-        """Piece ids of each line (no BOS/EOS added)."""
-        return self._sp.encode(list(lines), out_type=int, num_threads=num_threads)
+        """Piece ids of each line (no BOS/EOS added); surrogates count as U+FFFD
+        (`unicode_text`)."""
+        return self._sp.encode([unicode_text(line) for line in lines], out_type=int,
+                               num_threads=num_threads)
 
     def decode(self, ids: Sequence[Sequence[int]], num_threads: int = -1) -> list[str]:
         """Detokenized text of each id sequence; special ids are dropped.

@@ -3,10 +3,10 @@
 - `search`: beam search, greedy and sampling as pure functions around a step function
   (torch and the special ids only; tested with scripted probabilities).
 - `decoding`: the model as that step function (incremental decoding, one position a step),
-  over a key/value cache that no other module sees: `kv_cache.GroupedCache` (the fast,
-  grouped layout) or `plain_cache.PlainCache` (the readable reference, tested equal).
+  over a key/value cache that no other module sees, `kv_cache.GroupedCache` (the
+  grouped layout; tested equal to the readable reference in tests/helpers/plain_cache.py).
 - `translate`: the streaming pipeline of `nmt translate` (read, sort, batch, search, write
-  in input order) and the `Translator` that loads a model once.
+  in input order) and the `Engine` that loads a model once.
 - `packed_linear`, `int8_linear`: faster CPU linears swapped in for inference.
 - `attention_map`: encoder-decoder attention heatmaps.
 - `export`: exporters for other engines: CTranslate2 (`export.ct2`), Hugging Face

@@ -1,8 +1,8 @@
 """Incremental decoding of a Transformer for search: one target position per step.
 
 `init_state` computes the cross-attention K/V of every decoder layer once per sentence and
-opens an empty key/value cache: `GroupedCache` (nmt/inference/kv_cache.py, the fast layout)
-or the reference `PlainCache` (nmt/inference/plain_cache.py), chosen by name from CACHES.
+opens an empty key/value cache: `GroupedCache` (nmt/inference/kv_cache.py), or another of the
+`DecodingCache` protocol (the tests' readable reference, tests/helpers/plain_cache.py).
 `decode_step` feeds each row's newest token at the next position and returns next-token
 logits for that position only; each decoder layer sees its cache through one interface
 (`LayerCache`, nmt/model/incremental.py). `ModelStepDecoder` adapts this to the search's
@@ -10,7 +10,7 @@ logits for that position only; each decoder layer sees its cache through one int
 finished rows skipped; search code never sees a cache. `greedy_search` is the one-call
 greedy decoder validation uses.
 
-Memory has an explicit owner. A `DecodingWorkspace` (one per model, kept by a Translator)
+Memory has an explicit owner. A `DecodingWorkspace` (one per model, kept by the engine)
 holds the packed copy of the model's output projection when its linears are packed
 (nmt/inference/packed_linear.py) and lends the (rows, vocab) logits buffer its previous batch's
 decoder left to the next one (`with workspace.decoder(src) as decoder: ...`). The key/value
@@ -31,7 +31,6 @@ from torch import Tensor, nn
 from nmt.config import DecodeConfig
 from nmt.inference.kv_cache import GroupedCache, Regroup
 from nmt.inference.packed_linear import PackedLinear, is_packed
-from nmt.inference.plain_cache import PlainCache
 from nmt.inference.search import beam_search, greedy_decode, max_output_lengths
 from nmt.model.incremental import LayerCache
 from nmt.model.transformer import EncoderOutput, Transformer
@@ -40,13 +39,21 @@ _DEFAULTS = DecodeConfig()
 
 
 class DecodingCache(Protocol):
-    """What decoding needs of a key/value cache (GroupedCache, the fast one; PlainCache,
-    the reference): per-layer views for a step, reordering, and an explicit end."""
+    """What decoding needs of a key/value cache (GroupedCache; the tests' PlainCache):
+    per-layer views for a step, reordering, and an explicit end."""
 
     step: int  # target tokens fed so far = position of the next one
     attention_layer: int
     attention: Tensor | None  # (n, heads, src_len) when a step stored it
     consumed: bool
+
+    @classmethod
+    def start(cls, cross_k: list[Tensor], cross_v: list[Tensor], padding_mask: Tensor,
+              cross_mask: Tensor | None, limit: int, attention_layer: int = -1
+              ) -> DecodingCache:
+        """A state of one row per sentence around the per-layer cross keys (n, heads,
+        d_k, src_len: transposed) and values (n, heads, src_len, d_v)."""
+        ...
 
     @property
     def rows(self) -> int: ...
@@ -62,24 +69,17 @@ class DecodingCache(Protocol):
     def check_live(self) -> None: ...
 
 
-# Caches by name: "grouped" is what translation runs, "plain" the readable reference that
-# tests hold it equal to.
-CACHES: dict[str, type[GroupedCache] | type[PlainCache]] = {
-    "grouped": GroupedCache, "plain": PlainCache}
-
-
 def init_state(model: Transformer, enc: EncoderOutput, attention_layer: int = -1,
-               cache: str = "grouped") -> DecodingCache:
+               cache: type[DecodingCache] = GroupedCache) -> DecodingCache:
     """Start incremental decoding: cross-attention K/V of every layer, computed once,
-    and an empty self-attention cache of kind `cache` (a CACHES name); one row per
-    sentence. `attention_layer` picks the layer whose cross-attention `need_attention`
-    stores."""
+    and an empty self-attention cache of type `cache`; one row per sentence.
+    `attention_layer` picks the layer whose cross-attention `need_attention` stores."""
     # Laid out once here as every step's matmuls read them: keys transposed (q @ K^T
     # reads contiguous matrices), values as they are; a strided view would cost each step.
     cross = [layer.cross_attn.project_kv(enc.states) for layer in model.decoder]
     keys_t = [k.transpose(-1, -2).contiguous() for k, _ in cross]  # (n, heads, d_k, src_len)
     values = [v.contiguous() for _, v in cross]  # (n, heads, src_len, d_v)
-    return CACHES[cache].start(keys_t, values,
+    return cache.start(keys_t, values,
                                enc.padding_mask, enc.attn_mask(), model.cfg.max_positions,
                                attention_layer)
 
@@ -195,7 +195,8 @@ class ModelStepDecoder:
     """
 
     def __init__(self, model: Transformer, src: Tensor,
-                 workspace: DecodingWorkspace | None = None, cache: str = "grouped",
+                 workspace: DecodingWorkspace | None = None,
+                 cache: type[DecodingCache] = GroupedCache,
                  columns: Tensor | None = None) -> None:
         self.model = model
         self.state = init_state(model, model.encode(src), cache=cache)
@@ -228,7 +229,8 @@ class ModelStepDecoder:
 
     def step(self, tokens: Tensor) -> Tensor:
         """Next-token log-probabilities in float32 whatever the model's precision (over
-        the shortlist's columns when there is one: normalised over them)."""
+        the shortlist's columns when there is one: normalised over them). A view of this
+        decoder's buffer, which the next step overwrites: copy what must outlive it."""
         logits = decode_step(self.model, self._ids(tokens), self.state,
                              out=self._out(tokens.numel()), projection=self.projection,
                              weight=self.weight)

@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from nmt.inference.packed_linear import PackedLinear, swap_linears
 from nmt.inference.packed_linear import available as packed_available
+from nmt.switches import switch
 
 KERNELS = ("fbgemm", "onednn")
 # Output elements (rows x out_features) from which oneDNN beats FBGEMM (bench/int8_kernels.py:
@@ -139,7 +140,7 @@ def kernel_works(kernel: str) -> bool:
 def kernels() -> tuple[str, ...]:
     """The int8 kernels to use here: the working ones of KERNELS, or the one forced by
     NMT_INT8_KERNEL (none when it does not work)."""
-    forced = os.environ.get("NMT_INT8_KERNEL", "")
+    forced = switch("NMT_INT8_KERNEL")
     wanted = (forced,) if forced in KERNELS else KERNELS
     return tuple(k for k in wanted if kernel_works(k))
 
@@ -193,7 +194,7 @@ def output_projection(weight: Tensor) -> nn.Module | None:
     """The vocabulary projection of an int8 model: int8 too, or an fp32 packed one with
     NMT_INT8_OUTPUT=0 (None where neither kernel is available)."""
     with torch.no_grad():
-        if os.environ.get("NMT_INT8_OUTPUT", "1") != "0" and available():
+        if switch("NMT_INT8_OUTPUT") != "0" and available():
             return Int8Linear(weight, None)
         if packed_available(torch.float32):
             return PackedLinear(weight, None)

@@ -1,6 +1,6 @@
 """The fast key/value cache of incremental decoding: its grouped layout, reordering and memory.
 
-`GroupedCache` is what `nmt translate` decodes with; nmt/inference/plain_cache.py is the
+`GroupedCache` is what `nmt translate` decodes with; tests/helpers/plain_cache.py is the
 readable reference it is tested equal to. Both serve the network through one interface
 (`LayerCache`, nmt/model/incremental.py): a layer writes this position's key/value and
 reads back what to attend over; the layout below is invisible to it and to the search.
@@ -15,16 +15,13 @@ or the layout changes; using a state after `reorder` consumed it raises.
 
 Host syncs: finding the layout of an arbitrary order means reading it back (two reads), so
 a caller that knows it (beam search always does) says so with a `Regroup` and the reorder
-reads nothing; NMT_CHECK_LAYOUT=1 (or `CHECK_LAYOUT`) verifies every such promise, at the
+reads nothing; NMT_CHECK_LAYOUT=1 (nmt/switches.py) verifies every such promise, at the
 price of those reads.
 
 Memory: buffers are plain tensors, freed when no state holds them. There is no pool of
 our own: on CPU the translator keeps glibc from unmapping freed blocks
-(nmt/host_memory.py), so the next batch's caches land on pages already mapped. (A pool
-kept here until 2026-11 carved new buffers from old ones of other shapes: it touched fresh
-pages anyway and grew without bound, 1.1 GB after 10 batches; without it a long input
-translates 20 % faster at fp32 and 28 % at int8, and the memory stays flat: see
-docs/performance.md.)
+(nmt/host_memory.py), so the next batch's caches land on pages already mapped (a pool of
+our own was slower and grew without bound: docs/performance.md).
 
 Tensor bookkeeping only: the sizes come from the cross-attention K/V the caller computed;
 capacities never exceed `limit`, the model's positions (see nmt/inference/decoding.py).
@@ -32,16 +29,15 @@ capacities never exceed `limit`, the model's positions (see nmt/inference/decodi
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from nmt.switches import switch
+
 INITIAL_CAPACITY = 16  # target positions preallocated by a new state; doubled when full
-# Verify each `Regroup` against the order (two host syncs per reorder): a debugging aid.
-CHECK_LAYOUT = os.environ.get("NMT_CHECK_LAYOUT", "0") == "1"
 
 
 class Regroup(NamedTuple):
@@ -49,7 +45,7 @@ class Regroup(NamedTuple):
     need not read the order back to the host to find its layout: every `size` consecutive
     new rows come from one old group, new group i from old group `source[i]` (`source`
     (groups',) long, on the order's device), or from old group i when `source` is None
-    (every old group kept, in place). Trusted as given (see CHECK_LAYOUT)."""
+    (every old group kept, in place). Trusted as given (see NMT_CHECK_LAYOUT)."""
 
     size: int
     source: Tensor | None = None
@@ -181,7 +177,7 @@ class GroupedCache:
             new_g, src = self._find_layout(group_of, new_order.numel())
         else:
             new_g, src = _check_layout(layout, new_order.numel(), groups)
-            if CHECK_LAYOUT:
+            if switch("NMT_CHECK_LAYOUT") == "1":  # a debugging aid: two host syncs
                 _verify_layout(layout, self._find_layout(group_of, new_order.numel()),
                                groups)
         new_groups = new_order.numel() // new_g  # groups'

@@ -24,22 +24,28 @@ off (for comparisons).
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from nmt.switches import switch
+
 PACKABLE = (torch.float32, torch.bfloat16)
 
 
-@functools.cache
 def available(dtype: torch.dtype) -> bool:
-    """Whether packed oneDNN linears work here for `dtype` and agree with F.linear."""
-    if dtype not in PACKABLE or os.environ.get("NMT_PACKED_LINEAR", "1") == "0":
-        return False
-    if not torch.backends.mkldnn.is_available():
+    """Whether packed oneDNN linears are wanted (NMT_PACKED_LINEAR) and work here for
+    `dtype`, agreeing with F.linear."""
+    return switch("NMT_PACKED_LINEAR") != "0" and works(dtype)
+
+
+@functools.cache
+def works(dtype: torch.dtype) -> bool:
+    """Whether packed oneDNN linears work here for `dtype` and agree with F.linear
+    (checked once per process)."""
+    if dtype not in PACKABLE or not torch.backends.mkldnn.is_available():
         return False
     try:
         gen = torch.Generator().manual_seed(0)

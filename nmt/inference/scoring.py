@@ -18,10 +18,10 @@ from nmt.inference.search import EnsembleStepDecoder
 from nmt.special_ids import BOS_ID, EOS_ID, PAD_ID
 
 if TYPE_CHECKING:
-    from nmt.inference.translate import Translator
+    from nmt.inference.translate import Engine
 
 
-def score_ids(translator: Translator, sources: Sequence[Sequence[int]],
+def score_ids(translator: Engine, sources: Sequence[Sequence[int]],
               targets: Sequence[Sequence[int]], max_tokens: int) -> list[tuple[float, int]]:
     """(log-probability, pieces counted) of each target (piece ids, EOS added here) given
     its source, in input order; batched by padded source tokens. Sources longer than the
@@ -44,7 +44,7 @@ def score_ids(translator: Translator, sources: Sequence[Sequence[int]],
     return out
 
 
-def _score_batch(translator: Translator, sources: list[list[int]], targets: list[list[int]]
+def _score_batch(translator: Engine, sources: list[list[int]], targets: list[list[int]]
                  ) -> list[tuple[float, int]]:
     """Scores of one batch: every row steps through BOS + its target, collecting the
     log-probability of the next target piece (then EOS) at each step."""

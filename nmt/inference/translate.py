@@ -77,17 +77,22 @@ class TranslateStats:
                 f"{self.tgt_tokens / secs:.1f} target tokens/s")
 
 
-class Translator:
-    """One model or an ensemble sharing a vocabulary, with the search settings."""
+class Engine:
+    """The translation engine (the API's `Translator`, nmt/api.py, wraps one): one model
+    or an ensemble sharing a vocabulary, with the search settings."""
 
     def __init__(self, models: Sequence[torch.nn.Module], vocab: Vocab, cfg: DecodeConfig,
                  device: torch.device, max_src_len: int | None = None, seed: int = 1,
                  projections: Sequence[torch.nn.Module | None] | None = None,
-                 precision: str | None = None) -> None:
+                 precision: str | None = None, parameters: int | None = None) -> None:
         """`projections`: per model, a replacement for its vocabulary projection (int8
         models' int8 one), None for the default; `precision` the resolved one the models
-        were cast to (reported, not applied here; None: named after their dtype)."""
+        were cast to (reported, not applied here; None: named after their dtype);
+        `parameters` the first model's, counted before its linears were packed or
+        quantized (they then hold no parameters; None: count them now)."""
         self.models = list(models)
+        self.parameters = parameters if parameters is not None else sum(
+            p.numel() for p in self.models[0].parameters())
         dtype = next(self.models[0].parameters()).dtype
         self.precision = precision or next(
             (name for name, d in _DTYPES.items() if d == dtype), str(dtype))
@@ -118,7 +123,7 @@ class Translator:
         return max_src_len if max_src_len is not None else limit
 
     def configured(self, cfg: DecodeConfig, max_src_len: int | None = None,
-                   name: str = "--max-src-len") -> Translator:
+                   name: str = "--max-src-len") -> Engine:
         """This translator with other search settings: a shallow copy sharing the models,
         their workspaces and the sampling generator, so use one of the two at a time."""
         other = copy.copy(self)
@@ -137,7 +142,7 @@ class Translator:
         assert self.cfg.max_tokens is not None
         return self.cfg.max_tokens
 
-    def __enter__(self) -> Translator:
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -179,7 +184,7 @@ class Translator:
     def load(cls, paths: Sequence[Path], cfg: DecodeConfig, device: str = _R.device,
              precision: str = _R.precision, max_src_len: int | None = None,
              seed: int = _R.seed, weights: str = _R.weights, workers: int = 1,
-             threads: int = 1, shortlist: Path | None = None) -> Translator:
+             threads: int = 1, shortlist: Path | None = None) -> Engine:
         """Load checkpoints safely (weights_only); an ensemble must share one vocabulary.
         `weights`: auto (a checkpoint's EMA weights where it has them), raw or ema (the
         choices and defaults: nmt.config.RuntimeConfig, which checks them).
@@ -204,15 +209,18 @@ class Translator:
     @classmethod
     def _load(cls, paths: Sequence[Path], cfg: DecodeConfig, dev: torch.device,
               precision: str, max_src_len: int | None, seed: int, weights: str
-              ) -> Translator:
+              ) -> Engine:
         """`load` in this process (see there)."""
         if dev.type == "cpu":
             size_onednn_cache(INFERENCE_ONEDNN_CACHE)  # before the first oneDNN primitive
             keep_freed_memory()  # per-step activations reuse pages instead of re-faulting
         precision = resolve_precision(precision, dev)  # auto -> bf16 / fp16 / fp32
         models, projections, vocab = [], [], None
+        parameters = None
         for path in paths:
             model, model_vocab, _ = load_model(Path(path), dev, weights)
+            if parameters is None:  # before packing or quantizing takes the weights out
+                parameters = sum(p.numel() for p in model.parameters())
             if vocab is not None and model_vocab.proto != vocab.proto:
                 raise CheckpointError(f"{path}: vocabulary differs from {paths[0]}; an "
                                       "ensemble needs models trained on one vocabulary")
@@ -226,7 +234,8 @@ class Translator:
             models.append(model)
             projections.append(projection)
         assert vocab is not None
-        return cls(models, vocab, cfg, dev, max_src_len, seed, projections, precision)
+        return cls(models, vocab, cfg, dev, max_src_len, seed, projections, precision,
+                   parameters)
 
     def translate_ids(self, sources: Sequence[Sequence[int]],
                       prefixes: Sequence[Sequence[int]] | None = None, *,
@@ -397,7 +406,7 @@ def sanitize(text: str) -> str:
     return text.translate(_LINE_BREAKS)
 
 
-def translate_stream(source: BinaryIO, sink: BinaryIO, translator: Translator, *,
+def translate_stream(source: BinaryIO, sink: BinaryIO, translator: Engine, *,
                      buffer_size: int | None = None, interactive: bool = False,
                      errors: str = _R.errors, source_name: str = "<stdin>",
                      warn: Callable[[str], None] = lambda _msg: None,
@@ -495,7 +504,7 @@ class Translation:
     source_ids: list[int]
 
 
-def translate_texts(translator: Translator, texts: Sequence[str], *,
+def translate_texts(translator: Engine, texts: Sequence[str], *,
                     prefixes: Sequence[str | None] | None = None,
                     line_numbers: Sequence[int] | None = None, source_name: str = "<input>",
                     warn: Callable[[str], None] = lambda _msg: None) -> list[Translation]:
@@ -505,7 +514,7 @@ def translate_texts(translator: Translator, texts: Sequence[str], *,
     so both give the same output for the same buffer.
 
     `prefixes`, one per text (None or "" for none): the output must start with that text
-    (see `Translator.translate_ids`). `line_numbers` (1-based) name lines in warnings.
+    (see `Engine.translate_ids`). `line_numbers` (1-based) name lines in warnings.
     """
     return start_texts(translator, texts, prefixes=prefixes, line_numbers=line_numbers,
                        source_name=source_name, warn=warn).result()
@@ -515,7 +524,7 @@ class PendingTexts:
     """The batches of one buffer of texts, queued (`start_texts`); `result()` waits for
     them and detokenizes."""
 
-    def __init__(self, translator: Translator, count: int, sources: list[list[int]],
+    def __init__(self, translator: Engine, count: int, sources: list[list[int]],
                  owners: list[int], futures: list[tuple[list[int], Future]]) -> None:
         self._translator, self._count = translator, count
         self._sources, self._owners, self._futures = sources, owners, futures
@@ -540,7 +549,7 @@ class PendingTexts:
                 for i, hyps in enumerate(results)]
 
 
-def start_texts(translator: Translator, texts: Sequence[str], *,
+def start_texts(translator: Engine, texts: Sequence[str], *,
                 prefixes: Sequence[str | None] | None = None,
                 line_numbers: Sequence[int] | None = None, source_name: str = "<input>",
                 warn: Callable[[str], None] = lambda _msg: None) -> PendingTexts:

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 class Engine(Protocol):
     """What a worker needs of the translator it was forked with (nmt/inference/translate.py's
-    `Translator`): its device, a copy with other search settings, and the search itself."""
+    `Engine`): its device, a copy with other search settings, and the search itself."""
 
     device: torch.device
 

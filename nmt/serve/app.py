@@ -19,7 +19,8 @@ import sys
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from dataclasses import fields
+from typing import Any, get_type_hints
 from urllib.parse import parse_qs
 
 from starlette.applications import Starlette
@@ -37,13 +38,22 @@ from nmt.serve.batcher import QueueFull
 from nmt.serve.models import Limits, ServedModel, language_list
 
 _D = DecodeConfig()
-# Native /v1/translate options: the Python API's keywords, with the JSON type each takes.
-OPTION_TYPES: dict[str, tuple[type, ...]] = {
-    "beam": (int,), "alpha": (int, float), "nbest": (int,), "return_scores": (bool,),
-    "max_len_a": (int, float), "max_len_b": (int,), "min_len": (int,), "early_stop": (str,),
-    "sampling": (bool,), "temperature": (int, float), "top_k": (int,),
-    "top_p": (int, float), "seed": (int,), "target_prefix": (list,),
-}
+# Settings of DecodeConfig the server keeps to itself: its batches are its own.
+SERVER_SIDE = {"max_tokens", "buffer_size"}
+
+
+def option_types() -> dict[str, tuple[type, ...]]:
+    """Native /v1/translate's options with the JSON types each takes: DecodeConfig's
+    fields (the Python API's options; a float takes an int too) but the server's own
+    batching, plus the API's per-call seed and target_prefix, and return_scores."""
+    hints = get_type_hints(DecodeConfig)
+    json_types = {int: (int,), float: (int, float), bool: (bool,), str: (str,)}
+    options = {f.name: json_types[hints[f.name]] for f in fields(DecodeConfig)
+               if f.name not in SERVER_SIDE}
+    return {**options, "seed": (int,), "target_prefix": (list,), "return_scores": (bool,)}
+
+
+OPTION_TYPES = option_types()
 
 
 # Requests up to this many characters are measured in pieces on the event loop (tens of
@@ -93,10 +103,19 @@ def build_app(models: Sequence[ServedModel], limits: Limits, api_keys: Sequence[
                      exception_handlers={HTTPException: _http_error})
 
 
+class _Json(JSONResponse):
+    """Starlette's JSON response, writing a surrogate (from a request echoed in a message:
+    JSON may carry a lone one, UTF-8 cannot) as its \\uXXXX escape instead of failing."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None,
+                          separators=(",", ":")).encode("utf-8", "backslashreplace")
+
+
 async def _http_error(_request: Request, exc: Exception) -> Response:
     """Starlette's own 404/405 as {"error": ...} too."""
     assert isinstance(exc, HTTPException)
-    return JSONResponse({"error": exc.detail}, status_code=exc.status_code)
+    return _Json({"error": exc.detail}, status_code=exc.status_code)
 
 
 def _guard(state: _Server, handler: Callable[[Request, dict[str, Any]], Awaitable[Any]],
@@ -109,13 +128,13 @@ def _guard(state: _Server, handler: Callable[[Request, dict[str, Any]], Awaitabl
             params = await state.params(request) if request.method == "POST" else {}
             if keyed:
                 state.check_key(request, params)
-            return JSONResponse(await handler(request, params))
+            return _Json(await handler(request, params))
         except ApiError as err:
-            return JSONResponse({"error": err.message}, status_code=err.status,
+            return _Json({"error": err.message}, status_code=err.status,
                                 headers=err.headers)
         except Exception as err:
             traceback.print_exc(file=sys.stderr)
-            return JSONResponse({"error": f"Cannot translate text: {err}"}, status_code=500)
+            return _Json({"error": f"Cannot translate text: {err}"}, status_code=500)
 
     return endpoint
 
@@ -151,6 +170,8 @@ class _Server:
                 params = json.loads(text) if text.strip() else {}
             except ValueError as err:
                 raise ApiError(400, f"Invalid JSON format: {err}") from err
+            except RecursionError as err:  # json's parser recurses once per nesting level
+                raise ApiError(400, "Invalid JSON format: nested too deeply") from err
             if not isinstance(params, dict):
                 raise ApiError(400, "Invalid JSON format: expected an object")
             return params

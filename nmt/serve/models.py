@@ -101,7 +101,7 @@ def load_models(specs: Sequence[str], limits: Limits, device: str, precision: st
 
 def _runner(translator: Translator):
     def run(lines: list[str], options: dict[str, Any]) -> list[Any]:
-        return list(translator.translate(lines, return_scores=True, **options))
+        return translator.translate_hypotheses(lines, **options)
 
     return run
 

@@ -30,7 +30,7 @@ from nmt.checkpoint import (
 )
 from nmt.config import ModelConfig, TrainConfig
 from nmt.data.batch_tokens import derive_batching, fill_note
-from nmt.data.dataset import ParallelData, corpus_ranges, language_pair, load_vocab
+from nmt.data.dataset import ParallelData, corpus_ranges, language_pair, load_vocab, read_meta
 from nmt.device import allow_tf32, resolve_device, set_cuda_allocator_default
 from nmt.errors import (
     Preempted,
@@ -308,18 +308,15 @@ class Trainer:
         return batches
 
     def _open_valid(self) -> ParallelData | None:
-        try:
-            return ParallelData.open(self.data_dir, "valid")
-        except Exception:  # no valid split binarized: validation is skipped (said at start)
+        """The valid split; None when none was binarized (validation is then skipped, as
+        the start says). One that is there but unreadable is a DataError, not skipped."""
+        if "valid" not in read_meta(self.data_dir)["splits"]:
             return None
+        return ParallelData.open(self.data_dir, "valid")
 
     def _say(self, text: str) -> None:
         if self.progress is not None:
             self.progress.message(text)
-
-    def _warn(self, text: str) -> None:
-        """A warning on stderr, through the progress bar when there is one."""
-        warner(self.progress)(text)
 
     # ----- one update -----
 

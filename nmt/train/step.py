@@ -19,7 +19,6 @@ averages gradients over ranks, so each rank scales by world_size / tokens.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -28,6 +27,7 @@ from torch import Tensor, nn
 
 from nmt.model.transformer import Transformer
 from nmt.precision import autocast
+from nmt.switches import switch
 from nmt.train.ema import WeightAverage
 from nmt.train.feed import Micro
 from nmt.train.loss import DEFAULT_CHUNK_ROWS, label_smoothed_nll, projected_smoothed_loss
@@ -145,7 +145,7 @@ def defer_statistics(device: torch.device) -> bool:
     where waiting for the numbers would idle the GPU between updates. On a CPU the work is
     synchronous anyway and the in-line path keeps its foreach Adam. NMT_DEFER_STATS=1 or 0
     forces the choice (the tests run the CUDA path on CPU processes this way)."""
-    forced = os.environ.get("NMT_DEFER_STATS", "")
+    forced = switch("NMT_DEFER_STATS")
     if forced in ("0", "1"):
         return forced == "1"
     return device.type == "cuda"

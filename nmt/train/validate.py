@@ -1,7 +1,8 @@
 """Validation during training: loss and perplexity on the valid split, optionally BLEU.
 
-Every rank scores its shard of the valid batches and the sums are all-reduced; greedy
-decoding for BLEU runs on rank 0 only (the others wait at the next collective).
+Every rank scores its shard of the valid batches and the sums are all-reduced; decoding
+for BLEU (beam search with translate's settings, `--valid-beam`) runs on rank 0 only (the
+others wait at the next collective).
 """
 
 from __future__ import annotations

@@ -1,0 +1,41 @@
+"""Every NMT_* environment variable the library reads, listed here and read when used.
+
+Settings a user chooses are flags and config fields (nmt/config.py). These switches are
+for comparisons, debugging and tests: each turns one implementation choice off or forces
+it, and none changes what a model computes beyond float rounding. Read at the moment of
+use (never cached at import), so a test or a bench may set one and see it take effect.
+`nmt prep`'s NMT_MIRROR is its `--mirror` flag's environment form (cli/prep.py).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+
+class Switch(NamedTuple):
+    """One environment switch: its name, the value it has when unset, and what it does."""
+
+    name: str
+    default: str
+    effect: str
+
+
+SWITCHES: dict[str, Switch] = {s.name: s for s in (
+    Switch("NMT_DEFER_STATS", "", "1 or 0 forces the trainer's deferred (CUDA's) or in-line "
+           "statistics path; unset: deferred on CUDA only (nmt/train/step.py)"),
+    Switch("NMT_CHECK_LAYOUT", "0", "1 verifies every reorder layout the search promises the "
+           "key/value cache, at two host reads a reorder (nmt/inference/kv_cache.py)"),
+    Switch("NMT_PACKED_LINEAR", "1", "0 leaves CPU linears as torch's plain matmul instead "
+           "of oneDNN with packed weights (nmt/inference/packed_linear.py)"),
+    Switch("NMT_INT8_KERNEL", "", "fbgemm or onednn forces that int8 kernel; unset: each "
+           "where it is faster (nmt/inference/int8_linear.py)"),
+    Switch("NMT_INT8_OUTPUT", "1", "0 keeps an int8 model's vocabulary projection in fp32 "
+           "(nmt/inference/int8_linear.py)"),
+)}
+
+
+def switch(name: str) -> str:
+    """The value of the switch `name` now (its default when unset); KeyError for a name
+    not listed in SWITCHES."""
+    return os.environ.get(name, SWITCHES[name].default)
