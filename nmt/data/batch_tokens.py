@@ -40,7 +40,7 @@ class FillMeter:
     depend only on the sorted pair costs (max(src, tgt) + 1), so the costs are sorted
     once here and each size costs one vectorised pass plus a binary search per batch
     (0.4-0.6 s in all for 4.5M pairs on a 2-core Xeon), with `batch_by_tokens`' own greedy
-    rule (`batch_ends`); `tests/test_train_loop.py` holds the count to it.
+    rule (`batch_ends`); `tests/train/test_train_loop.py` holds the count to it.
     """
 
     def __init__(self, src_lens: np.ndarray, tgt_lens: np.ndarray, max_len: int) -> None:

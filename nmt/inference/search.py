@@ -28,7 +28,7 @@ cannot do without (it must learn which sentences are done), plus a few reads per
 (the length budgets at the start, the results at the end). Everything else it decides on
 the host from what it already knows (step number, budgets, which rows are left), and it
 tells the decoder the layout of each reorder (`regroup`) so the cache need not read it
-back. tests/test_search_syncs.py counts them.
+back. tests/inference/test_search_syncs.py counts them.
 """
 
 from __future__ import annotations
@@ -612,7 +612,7 @@ def sample_one(probs: Tensor, generator: torch.Generator | None = None) -> Tenso
     random numbers from the same generator), without the validity checks it makes first:
     they read two values back to the host, two syncs a step on a GPU. Our distributions
     are softmaxes, valid unless NaN, which `sample_decode` checks once at the end.
-    tests/test_search_syncs.py holds it equal to torch.multinomial."""
+    tests/inference/test_search_syncs.py holds it equal to torch.multinomial."""
     noise = torch.empty_like(probs).exponential_(1, generator=generator)  # (N, V)
     return torch.div(probs, noise, out=noise).argmax(dim=-1)  # (N,)
 

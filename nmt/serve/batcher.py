@@ -5,8 +5,8 @@ so that batches of concurrent requests run side by side) takes every job queued 
 translates each group of jobs with the same decoding options in one call of the Python
 API (which sorts the lines by length and batches them by tokens, as `nmt translate`
 does). Each job's lines come back to it in order. A sentence's translation does not
-depend on the other lines of its batch (tested: tests/test_decoding.py,
-tests/test_serve.py), so a request gets what it would alone, only sooner under load. The
+depend on the other lines of its batch (tested: tests/inference/test_decoding.py,
+tests/serve/test_serve.py), so a request gets what it would alone, only sooner under load. The
 queue is bounded in lines: a full one refuses new jobs (QueueFull; the server answers 503
 with Retry-After) instead of growing without limit.
 

@@ -11,9 +11,7 @@ How and why, with the measurements: docs/training.md.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,55 +21,32 @@ from typing import Any
 import numpy as np
 import torch
 
-from nmt.checkpoint import (
-    BEST,
-    model_payload,
-    save_checkpoint,
-)
+from nmt.checkpoint import BEST, model_payload, save_checkpoint
 from nmt.config import ModelConfig, TrainConfig
 from nmt.data.batch_tokens import derive_batching, fill_note
 from nmt.data.dataset import ParallelData, corpus_ranges, language_pair, load_vocab, read_meta
-from nmt.device import allow_tf32, resolve_device, set_cuda_allocator_default
-from nmt.errors import (
-    Preempted,
-    TrainingAborted,
-    UsageError,
-)
-from nmt.host_memory import TRAIN_ONEDNN_CACHE, keep_freed_memory, size_onednn_cache
-from nmt.model.transformer import Transformer
-from nmt.precision import emulation_note, grad_scaler, resolve_precision
+from nmt.errors import Preempted, TrainingAborted, UsageError
+from nmt.precision import emulation_note
 from nmt.train.best import BestTracker
 from nmt.train.distributed import (
-    DistEnv,
     broadcast_object,
     check_ranks_agree,
     data_parallel,
     fingerprint,
     gather_objects,
-    init_distributed,
     shutdown,
 )
 from nmt.train.ema import WeightAverage
 from nmt.train.feed import Micro, TrainFeed, Update
-from nmt.train.log import (
-    JsonlLog,
-    LogWindow,
-    PlainReporter,
-    RecordLog,
-    TrainReporter,
-    warner,
-)
+from nmt.train.log import LogWindow, RecordLog, TrainReporter
 from nmt.train.loss import fused_loss_enabled
 from nmt.train.preempt import PreemptionWatch
 from nmt.train.prefetch import Prefetcher
 from nmt.train.readback import Pending, Readback
 from nmt.train.resume import Training, initialise_from, resume
 from nmt.train.sampling import EpochBatches
-from nmt.train.schedule import (
-    build_optimizer,
-    build_schedule,
-    describe_schedule,
-)
+from nmt.train.schedule import describe_schedule
+from nmt.train.setup import build_model, checked_model_config, join, open_logs
 from nmt.train.state import (
     LAST,
     DataState,
@@ -80,16 +55,7 @@ from nmt.train.state import (
     write_checkpoint,
     write_resume_point,
 )
-from nmt.train.step import (
-    LossOptions,
-    advance,
-    apply_update,
-    defer_statistics,
-    launch_update,
-    nonfinite,
-    train_step,
-)
-from nmt.train.tensorboard import TeeLog, TensorBoardLog
+from nmt.train.step import LossOptions, advance, apply_update, launch_update, nonfinite, train_step
 from nmt.train.validate import validate
 
 
@@ -107,12 +73,6 @@ class TrainSummary:
     losses: list[float] = field(default_factory=list)  # per-update train loss (nats/token)
     stopped_early: bool = False  # --patience ran out
     valid: dict[str, float] = field(default_factory=dict)
-
-
-def _seed_everything(seed: int) -> None:
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed % 2 ** 32)
 
 
 @dataclass
@@ -161,7 +121,7 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.cfg = train_cfg
         self.tensorboard = tensorboard  # also write TensorBoard events there
-        self.env, self.device = self._join(device)
+        self.env, self.device = join(device)
         try:  # a rank that fails here leaves the process group, or gloo aborts at exit
             self._set_up(data_dir, run_dir, model_cfg, train_cfg, meta, progress, init_from,
                          reset_optimizer)
@@ -175,7 +135,7 @@ class Trainer:
                 reset_optimizer: bool) -> None:
         """Data, model, optimiser, resume point and logs of the run (after joining)."""
         self.vocab = load_vocab(self.data_dir)
-        self.model_cfg = self._checked_model_config(model_cfg)
+        self.model_cfg = checked_model_config(model_cfg, train_cfg, len(self.vocab))
         self.train_data = ParallelData.open(self.data_dir, "train")
         self.valid_data = self._open_valid()
         # --batch-tokens: the shape for B real tokens per side per update, from the fill
@@ -184,7 +144,12 @@ class Trainer:
                                         self.train_data.src.lengths,
                                         self.train_data.tgt.lengths)
         self.update_freq = self.batching.update_freq
-        self._build_model()
+        built = build_model(self.model_cfg, train_cfg, self.device, self.env.rank)
+        self.model, self.optimizer, self.schedule = built.model, built.optimizer, built.schedule
+        self.scaler, self.precision, self.deferred = built.scaler, built.precision, built.deferred
+        # An explicit bf16/fp16 on a CPU that emulates it: named with its measured cost.
+        self.precision_note = emulation_note(self.precision, self.device, training=True) \
+            if self.env.is_main else None
         check_ranks_agree(self.env, fingerprint(
             self.model_cfg, train_cfg, self.precision, self.device, self.deferred,
             self.train_data, self.valid_data, self.vocab.proto))
@@ -231,69 +196,11 @@ class Trainer:
         self.log: RecordLog | None = None
         self.progress: TrainReporter | None = None
         if self.env.is_main:
-            if progress is True:
-                self.progress = PlainReporter()
-            elif progress is not False:
-                self.progress = progress
-            # The logs warn through the reporter, not through a bound method of the Trainer:
-            # that cycle kept the memory-mapped data (8 open files) alive after the run
-            # returned, until the garbage collector's next full pass.
-            warn = warner(self.progress)
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            # A resumed run drops the records of updates it will redo (logged once each).
-            self.log = JsonlLog(self.run_dir / "train_log.jsonl", resume_step=self.step,
-                                warn=warn)
-            if self.tensorboard is not None:
-                settings = {**{f"model.{k}": v for k, v in model_cfg.to_dict().items()},
-                            **train_cfg.to_dict(), "data": str(self.data_dir),
-                            "world_size": self.env.world_size}
-                self.log = TeeLog(self.log, TensorBoardLog(
-                    self.tensorboard, settings, resume_step=self.step, warn=warn))
-
-    def _join(self, device: str) -> tuple[DistEnv, torch.device]:
-        """Join the process group (under torchrun) and pick this process's device."""
-        cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-        if cuda:
-            set_cuda_allocator_default()  # before the first CUDA allocation
-        env = init_distributed("cuda" if cuda else "cpu")
-        dev = resolve_device(device, env.local_rank)
-        if dev.type == "cpu":
-            size_onednn_cache(TRAIN_ONEDNN_CACHE)  # one primitive per batch shape: bounded
-            keep_freed_memory()  # big per-step tensors reuse pages instead of re-faulting
-        return env, dev
-
-    def _checked_model_config(self, model_cfg: ModelConfig) -> ModelConfig:
-        """The model config with the data's vocabulary size; limits checked against it."""
-        if model_cfg.vocab_size != len(self.vocab):
-            model_cfg = dataclasses.replace(model_cfg, vocab_size=len(self.vocab))
-        cfg = self.cfg
-        if cfg.max_len > model_cfg.max_positions:
-            raise UsageError(f"--max-len {cfg.max_len} exceeds --max-positions "
-                             f"{model_cfg.max_positions}; lower one or raise the other")
-        if cfg.max_tokens < cfg.max_len:
-            raise UsageError(f"--max-tokens {cfg.max_tokens} is below --max-len "
-                             f"{cfg.max_len}: long pairs would never fit a batch")
-        return model_cfg
-
-    def _build_model(self) -> None:
-        """Model (same initial weights on every rank), Adam, schedule, precision, scaler."""
-        cfg = self.cfg
-        _seed_everything(cfg.seed)  # same initial weights on every rank
-        self.model = Transformer(self.model_cfg).to(self.device)
-        _seed_everything(cfg.seed + self.env.rank)  # own dropout stream per rank
-        # Deferred statistics need Adam's fused kernel, which can skip a step by itself.
-        self.deferred = defer_statistics(self.device)
-        self.optimizer = build_optimizer(self.model.parameters(), cfg, self.device,
-                                         fused=self.deferred or self.device.type == "cuda")
-        self.schedule = build_schedule(self.optimizer, self.model_cfg.d_model, cfg)
-        # `auto` becomes bf16/fp16/fp32 for this device (logged at start).
-        self.precision = resolve_precision(cfg.precision, self.device)
-        # An explicit bf16/fp16 on a CPU that emulates it: named with its measured cost.
-        self.precision_note = emulation_note(self.precision, self.device, training=True) \
-            if self.env.is_main else None
-        if self.precision == "fp32":
-            allow_tf32(self.device)
-        self.scaler = grad_scaler(self.device, enabled=self.precision == "fp16")
+            settings = {**{f"model.{k}": v for k, v in model_cfg.to_dict().items()},
+                        **train_cfg.to_dict(), "data": str(self.data_dir),
+                        "world_size": self.env.world_size}
+            self.log, self.progress = open_logs(self.run_dir, self.step, progress,
+                                                self.tensorboard, settings)
 
     def _build_batches(self) -> EpochBatches:
         """Each epoch's batch list (shuffled per epoch by `epoch_order`): one fixed list,

@@ -1,5 +1,5 @@
 """Builders of small binarized DATA dirs for the training tests (through the real `nmt bpe`
-code path; tests/test_train_fixtures.py checks that what they build is what training reads),
+code path; tests/train/test_train_fixtures.py checks that what they build is what training reads),
 and the small CPU training run of the fault tests, as CLI flags and as configs."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Every row keeps its own keys/values (n, heads, length, d) and its own copy of th
 K/V; a step concatenates the new position, a reorder index-selects every tensor. It does
 what nmt/inference/kv_cache.py's `GroupedCache` does with none of its tricks (no groups,
 slots, masks, preallocation or growth), so it is easy to check by reading, and the tests
-hold the fast cache equal to it (tests/test_decoding.py). Slower: each step copies the
+hold the fast cache equal to it (tests/inference/test_decoding.py). Slower: each step copies the
 whole history and beam search copies it again at every reorder.
 """
 

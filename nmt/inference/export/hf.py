@@ -3,7 +3,7 @@ by `AutoModelForSeq2SeqLM`, `AutoTokenizer` and `pipeline("translation")` with n
 ours (needs `pip install 'nmt[hf]'`).
 
 The paper's post-norm Transformer is Marian's architecture, with these correspondences,
-each checked by tests/test_export_hf.py against nmt's own log-probabilities:
+each checked by tests/inference/test_export_hf.py against nmt's own log-probabilities:
 - Sinusoids: nmt interleaves sines and cosines (PE[2i] = sin, PE[2i+1] = cos); Marian puts
   the sines in the first half of the vector and the cosines in the second, same
   frequencies, positions from 0 in both. No table can be swapped in (Marian rebuilds its

@@ -68,7 +68,7 @@ def test_two_gloo_ranks_equal_one_process_with_update_freq_2(tmp_path):
         torch.testing.assert_close(ddp["model"][name], tensor, rtol=1e-4, atol=1e-6)
 
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
@@ -140,7 +140,7 @@ def test_resume_is_decided_by_rank_0_and_refused_where_a_rank_cannot_follow(tmp_
         [sys.executable, "-c", "import sys; from test_train_ddp import _resume_worker; "
          f"_resume_worker({rank}, 2, {port}, {str(data)!r}, {runs!r}, {str(tmp_path)!r})"],
         cwd=Path(__file__).parent, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).parent), str(REPO)])},
+            [str(Path(__file__).parent), str(REPO / "tests"), str(REPO)])},
         stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
     for rank, proc in enumerate(procs):
         _, err = proc.communicate(timeout=300)

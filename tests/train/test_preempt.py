@@ -25,7 +25,7 @@ from nmt.train.log import read_jsonl
 from nmt.train.loop import train
 
 pytestmark = pytest.mark.slow  # several multi-process training runs
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODEL = model_preset("tiny", dropout=0.0)
 UPDATES = 300
 FLAGS = ("--arch", "tiny", "--dropout", "0", "--max-updates", str(UPDATES), "--max-tokens",
@@ -68,7 +68,8 @@ def _start(data: Path, run: Path, out: Path, deferred: str = "0") -> list[subpro
          f"preempt_worker({rank}, 2, {port}, {str(data)!r}, {str(run)!r}, {str(out)!r})"],
         cwd=Path(__file__).parent, env={**os.environ, "NMT_DEFER_STATS": deferred,
                                         "PYTHONPATH": os.pathsep.join(
-                                            [str(Path(__file__).parent), str(REPO)])},
+                                            [str(Path(__file__).parent),
+                                             str(REPO / "tests"), str(REPO)])},
         stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
 
 

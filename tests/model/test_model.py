@@ -1,6 +1,6 @@
 """Transformer model: masking, padding invariance, weight sharing, parameter counts,
 positional encodings, variants and mixed precision (tiny preset, CPU). Incremental
-decoding: tests/test_decoding.py."""
+decoding: tests/inference/test_decoding.py."""
 
 from __future__ import annotations
 

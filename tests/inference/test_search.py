@@ -1,5 +1,5 @@
 """Search on a fake step decoder with hand-written probabilities (the same invariants on a
-real model: tests/test_decoding.py)."""
+real model: tests/inference/test_decoding.py)."""
 
 from __future__ import annotations
 

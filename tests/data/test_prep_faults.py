@@ -68,7 +68,7 @@ def test_truncated_archive_exit_4(tmp_path, wmt_mirror, nmt_cli):
 
 
 def test_hostile_tar_member_exit_4(tmp_path, wmt_mirror, nmt_cli):
-    member = "../escape.txt"  # absolute names: tests/test_prep_extract.py
+    member = "../escape.txt"  # absolute names: tests/data/test_prep_extract.py
     mirror = tmp_path / "mirror"
     mirror.mkdir()
     for path in wmt_mirror.iterdir():

@@ -32,7 +32,7 @@ from nmt.train.log import PlainReporter, read_jsonl
 from nmt.train.loop import train
 from nmt.train.state import capture_rng, restore_rng
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODEL = model_preset("tiny", dropout=0.0)
 
 
@@ -123,7 +123,7 @@ def _run(world: int, data: Path, run: Path, updates: int) -> str:
         [sys.executable, "-c", "from test_train_resume_world import world_worker; "
          f"world_worker({rank}, {world}, {port}, {str(data)!r}, {str(run)!r}, {updates})"],
         cwd=Path(__file__).parent, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).parent), str(REPO)])},
+            [str(Path(__file__).parent), str(REPO / "tests"), str(REPO)])},
         stderr=subprocess.PIPE, text=True) for rank in range(world)]
     errs = []
     for rank, proc in enumerate(procs):
@@ -214,7 +214,7 @@ def test_a_rank_that_sees_other_data_or_settings_stops_every_rank(tmp_path: Path
          f"mismatch_worker({rank}, 2, {port}, {str(data) + '|' + str(other)!r}, "
          f"{str(run)!r}, {str(tmp_path)!r}, {0.2 if case == 'settings' else 0.1})"],
         cwd=Path(__file__).parent, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).parent), str(REPO)])},
+            [str(Path(__file__).parent), str(REPO / "tests"), str(REPO)])},
         stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
     for proc in procs:
         _, err = proc.communicate(timeout=120)

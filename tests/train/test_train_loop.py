@@ -324,7 +324,7 @@ def test_fused_projected_loss_trains_like_the_reference(copy_data, tmp_path):
     logits); forced on over CPU in fp32 it trains to the same losses as the reference loss,
     to float rounding. (Weights are not compared: parameters whose true gradient is zero,
     like the key biases, get rounding noise that Adam scales up to full-size steps either
-    way; tests/test_projected_loss.py compares the gradients themselves.)"""
+    way; tests/train/test_projected_loss.py compares the gradients themselves.)"""
     torch.set_num_threads(1)
     cfg = _cfg(max_updates=12, precision="fp32", save_interval_updates=0)
     results = {}

@@ -1,0 +1,112 @@
+"""What a training run is built from, before its first update: the process and device,
+the checked model config, the model with its optimizer, schedule, precision and scaler,
+and the logs. Functions of their inputs, so the loop (nmt/train/loop.py) only orders them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from nmt.config import ModelConfig, TrainConfig
+from nmt.device import allow_tf32, resolve_device, set_cuda_allocator_default
+from nmt.errors import UsageError
+from nmt.host_memory import TRAIN_ONEDNN_CACHE, keep_freed_memory, size_onednn_cache
+from nmt.model.transformer import Transformer
+from nmt.precision import grad_scaler, resolve_precision
+from nmt.train.distributed import DistEnv, init_distributed
+from nmt.train.log import JsonlLog, PlainReporter, RecordLog, TrainReporter, warner
+from nmt.train.schedule import Schedule, build_optimizer, build_schedule
+from nmt.train.step import defer_statistics
+from nmt.train.tensorboard import TeeLog, TensorBoardLog
+
+
+def join(device: str) -> tuple[DistEnv, torch.device]:
+    """Join the process group (under torchrun) and pick this process's device, set up for
+    training: CUDA's allocator before its first allocation; on a CPU, a bounded oneDNN
+    kernel cache (one kernel per batch shape) and freed memory kept for reuse."""
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if cuda:
+        set_cuda_allocator_default()
+    env = init_distributed("cuda" if cuda else "cpu")
+    dev = resolve_device(device, env.local_rank)
+    if dev.type == "cpu":
+        size_onednn_cache(TRAIN_ONEDNN_CACHE)
+        keep_freed_memory()
+    return env, dev
+
+
+def checked_model_config(model_cfg: ModelConfig, cfg: TrainConfig, vocab_size: int
+                         ) -> ModelConfig:
+    """The model config with the data's vocabulary size; --max-len and --max-tokens
+    checked against it (UsageError)."""
+    if model_cfg.vocab_size != vocab_size:
+        model_cfg = dataclasses.replace(model_cfg, vocab_size=vocab_size)
+    if cfg.max_len > model_cfg.max_positions:
+        raise UsageError(f"--max-len {cfg.max_len} exceeds --max-positions "
+                         f"{model_cfg.max_positions}; lower one or raise the other")
+    if cfg.max_tokens < cfg.max_len:
+        raise UsageError(f"--max-tokens {cfg.max_tokens} is below --max-len "
+                         f"{cfg.max_len}: long pairs would never fit a batch")
+    return model_cfg
+
+
+@dataclass
+class Model:
+    """The network and what updates it. `deferred`: the statistics are read one update
+    late (CUDA; `defer_statistics`), which needs Adam's fused kernel."""
+
+    model: Transformer
+    optimizer: torch.optim.Optimizer
+    schedule: Schedule
+    scaler: torch.amp.GradScaler
+    precision: str  # resolved: fp32, bf16 or fp16
+    deferred: bool
+
+
+def build_model(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, rank: int
+                ) -> Model:
+    """The same initial weights on every rank (seeded by --seed), then each rank's own
+    dropout stream; Adam, the schedule, the precision `auto` resolves to and the scaler."""
+    seed_everything(cfg.seed)
+    model = Transformer(model_cfg).to(device)
+    seed_everything(cfg.seed + rank)
+    deferred = defer_statistics(device)
+    optimizer = build_optimizer(model.parameters(), cfg, device,
+                                fused=deferred or device.type == "cuda")
+    precision = resolve_precision(cfg.precision, device)
+    if precision == "fp32":
+        allow_tf32(device)
+    return Model(model, optimizer, build_schedule(optimizer, model_cfg.d_model, cfg),
+                 grad_scaler(device, enabled=precision == "fp16"), precision, deferred)
+
+
+def seed_everything(seed: int) -> None:
+    """torch's, Python's and numpy's global generators."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+
+
+def open_logs(run_dir: Path, step: int, progress: bool | TrainReporter,
+              tensorboard: Path | None, settings: dict[str, Any]
+              ) -> tuple[RecordLog, TrainReporter | None]:
+    """Rank 0's log (RUN/train_log.jsonl, and TensorBoard events in `tensorboard` with
+    `settings` as text) and progress reporter (True: plain lines; False: none). A resumed
+    run (`step` > 0) drops the records of updates it will redo, so each is logged once.
+    The logs warn through the reporter, never through a method of the trainer: such a
+    reference cycle kept the memory-mapped data open after the run returned."""
+    reporter = (PlainReporter() if progress is True else None if progress is False
+                else progress)
+    warn = warner(reporter)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log: RecordLog = JsonlLog(run_dir / "train_log.jsonl", resume_step=step, warn=warn)
+    if tensorboard is not None:
+        log = TeeLog(log, TensorBoardLog(tensorboard, settings, resume_step=step, warn=warn))
+    return log, reporter
