@@ -355,7 +355,7 @@ def check_big_memory(setup: Setup) -> Check:
     model = Transformer(model_preset("big", vocab_size=37000)).to(device)
     optimizer = build_optimizer(model.parameters(), TrainConfig(), device)
     scaler = grad_scaler(device, enabled=False)
-    loss = LossOptions(label_smoothing=0.1, pad_id=model.cfg.pad_id, fused=True)
+    loss = LossOptions(label_smoothing=0.1, pad_id=model.config.pad_id, fused=True)
     peaks = {}
     for length in (32, 256):
         rows = max_tokens // length

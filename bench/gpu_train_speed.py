@@ -176,7 +176,7 @@ def split_params(model: Transformer) -> dict[str, int]:
 
 def attention_flops(model: Transformer, batches: list[HostBatch]) -> float:
     """Forward + backward FLOPs of QK^T and AV over the real lengths of `batches`."""
-    cfg = model.cfg
+    cfg = model.config
     width = cfg.heads * (cfg.head_dim_k + cfg.head_dim_v)  # per query-key pair, x2 FLOPs
     total = 0.0
     for hb in batches:
@@ -242,7 +242,7 @@ def train_update(micro: list[HostBatch], net: nn.Module, model: Transformer,
     host sync: the update is applied as finite, the Trainer's check needs the sync this
     bench leaves out)."""
     tokens = sum(int(hb.tgt_lens.sum()) for hb in micro)
-    loss = LossOptions(LABEL_SMOOTHING, model.cfg.pad_id, fused=loss_name != "reference",
+    loss = LossOptions(LABEL_SMOOTHING, model.config.pad_id, fused=loss_name != "reference",
                        chunk_rows=opt.chunk_rows, compiled=loss_name == "fused-compiled")
     on_device = [to_device(hb.batch, hb.has_pad,
                            None if hb.select is None else torch.from_numpy(hb.select), device)

@@ -102,7 +102,7 @@ def build_model(cache: Path, vocab_size: int, seed: int) -> Path:
 
 def to_fairseq(model: Transformer) -> tuple[dict[str, torch.Tensor], list[int]]:
     """Our state dict under fairseq TransformerModel names (see module docstring)."""
-    cfg = model.cfg
+    cfg = model.config
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     fair_to_ours = SPECIALS + list(range(4, cfg.vocab_size))
     emb = sd["embed.weight"][fair_to_ours]  # (V, D) in fairseq order
@@ -155,7 +155,7 @@ def export_for_fairseq(model: Transformer, vocab: Vocab, lines: list[str], cfg: 
     ours_to_fair = [0] * len(fair_to_ours)
     for f, o in enumerate(fair_to_ours):
         ours_to_fair[o] = f
-    ids = [ids[: model.cfg.max_positions - 1] for ids in vocab.encode(lines)]
+    ids = [ids[: model.config.max_positions - 1] for ids in vocab.encode(lines)]
     sources = [[ours_to_fair[i] for i in (*s, EOS_ID)] for s in ids if s]
     check_ids = ids[:8]
     src = torch.full((8, max(map(len, check_ids)) + 1), PAD_ID)
@@ -168,7 +168,7 @@ def export_for_fairseq(model: Transformer, vocab: Vocab, lines: list[str], cfg: 
     prev = [[2, *(ours_to_fair[i] for i in row[1:])] for row in tgt_in.tolist()]
     check = {"src": [[ours_to_fair[i] for i in (*s, EOS_ID)] for s in check_ids],
              "prev": prev, "logp": logp.tolist()}
-    torch.save({"config": model.cfg.to_dict(), "state": state, "sources": sources,
+    torch.save({"config": model.config.to_dict(), "state": state, "sources": sources,
                 "ours_to_fair": ours_to_fair, "check": check,
                 "search": {"beam": cfg.beam, "lenpen": cfg.alpha, "max_len_a": cfg.max_len_a,
                            "max_len_b": cfg.max_len_b, "max_tokens": cfg.max_tokens}}, path)
@@ -307,7 +307,7 @@ def ct2_request(checkpoint: Path, lines: list[str], cfg: DecodeConfig, cache: Pa
         print(f"ctranslate2 rows skipped: {err}", file=sys.stderr)
         return None
     model, vocab, _ = load_model(checkpoint, "cpu")
-    ids = [s[: model.cfg.max_positions - 1] for s in vocab.encode(lines)]
+    ids = [s[: model.config.max_positions - 1] for s in vocab.encode(lines)]
     src, tgt = ids[:8], [ids[8 + r][:10] for r in range(8)]  # any targets do for parity
     log_probs = []
     with torch.no_grad():

@@ -163,7 +163,7 @@ class Translator:
     @property
     def model_config(self) -> dict[str, Any]:
         """The (first) model's architecture, as stored in its checkpoint."""
-        return self._engine.models[0].cfg.to_dict()
+        return self._engine.models[0].config.to_dict()
 
     def translate(self, lines: Sequence[str], *,
                   target_prefix: Sequence[str | None] | None = None, seed: int | None = None,

@@ -92,11 +92,11 @@ def test_score_equals_the_searchs_log_probability(translator, lines: list[str]) 
     engine = translator._engine
     sources = [line for line in lines[:30] if line.strip()]
     src_ids = engine.vocab.encode(sources)
-    saved, engine.cfg = engine.cfg, DecodeConfig(**SHORT)
+    saved, engine.decode_cfg = engine.decode_cfg, DecodeConfig(**SHORT)
     try:
         hyps = [h[0] for h in engine.translate_ids(src_ids)]
     finally:
-        engine.cfg = saved
+        engine.decode_cfg = saved
     scored = score_ids(engine, src_ids, [h.tokens for h in hyps], max_tokens=512)
     for hyp, (log_prob, tokens) in zip(hyps, scored, strict=True):
         assert log_prob == pytest.approx(hyp.log_prob, abs=2e-3)

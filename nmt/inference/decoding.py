@@ -42,7 +42,7 @@ class DecodingCache(Protocol):
     """What decoding needs of a key/value cache (GroupedCache; the tests' PlainCache):
     per-layer views for a step, reordering, and an explicit end."""
 
-    step: int  # target tokens fed so far = position of the next one
+    position: int  # target tokens fed so far = the position of the next one
     attention_layer: int
     attention: Tensor | None  # (n, heads, src_len) when a step stored it
     consumed: bool
@@ -80,7 +80,7 @@ def init_state(model: Transformer, enc: EncoderOutput, attention_layer: int = -1
     keys_t = [k.transpose(-1, -2).contiguous() for k, _ in cross]  # (n, heads, d_k, src_len)
     values = [v.contiguous() for _, v in cross]  # (n, heads, src_len, d_v)
     return cache.start(keys_t, values,
-                               enc.padding_mask, enc.attn_mask(), model.cfg.max_positions,
+                               enc.padding_mask, enc.attn_mask(), model.config.max_positions,
                                attention_layer)
 
 
@@ -88,7 +88,7 @@ def decode_step(model: Transformer, tokens: Tensor, state: DecodingCache, *,
                 need_attention: bool = False, live: Tensor | None = None,
                 out: Tensor | None = None, projection: nn.Module | None = None,
                 weight: Tensor | None = None) -> Tensor:
-    """Feed the newest token of each row, `tokens` (n,), at position `state.step`;
+    """Feed the newest token of each row, `tokens` (n,), at position `state.position`;
     update `state` in place and return next-token logits (n, vocab), computed for
     this one position only.
 
@@ -109,16 +109,16 @@ def decode_step(model: Transformer, tokens: Tensor, state: DecodingCache, *,
     `state.attention_layer` is stored in `state.attention` (n or m, heads, src_len).
     """
     state.check_live()
-    positions = model.dec_positions(1, offset=state.step)  # (1, d_model); checks the limit
+    positions = model.dec_positions(1, offset=state.position)  # (1, d_model); checks the limit
     x = model.embed_tokens(tokens[:, None], positions)  # (n, 1, d_model)
     want = state.attention_layer % len(model.decoder) if need_attention else -1
     for i, (layer, cache) in enumerate(zip(model.decoder, state.layers(live), strict=True)):
-        x, weights = layer.step(x, cache, need_weights=i == want)
+        x, weights = layer.incremental(x, cache, need_weights=i == want)
         if weights is not None:
             state.attention = weights  # (n, heads, src_len)
     if model.dec_norm is not None:
         x = model.dec_norm(x)
-    state.step += 1
+    state.position += 1
     return _logits(model, x[:, 0], out, projection, weight)  # (n or m, vocab)
 
 
@@ -291,7 +291,7 @@ def greedy_search(model: Transformer, src: Tensor, max_len_a: float = _DEFAULTS.
 
     The caller puts the model in eval mode (dropout off) and back; gradients are off here.
     """
-    cap = model.cfg.max_positions - 1
+    cap = model.config.max_positions - 1
     max_lens = max_output_lengths(src, max_len_a, max_len_b, cap)
     with ModelStepDecoder(model, src) as decoder:
         hyps = greedy_decode(decoder, max_lens, alpha=0.0, min_len=min_len)  # tokens only
@@ -308,7 +308,7 @@ def search_ids(model: Transformer, src: Tensor, cfg: DecodeConfig = _DEFAULTS
     if cfg.beam == 1:
         return greedy_search(model, src, cfg.max_len_a, cfg.max_len_b, cfg.min_len)
     max_lens = max_output_lengths(src, cfg.max_len_a, cfg.max_len_b,
-                                  model.cfg.max_positions - 1)
+                                  model.config.max_positions - 1)
     with ModelStepDecoder(model, src) as decoder:
         hyps = beam_search(decoder, max_lens, beam=cfg.beam, alpha=cfg.alpha, nbest=1,
                            min_len=cfg.min_len)

@@ -71,12 +71,12 @@ class GroupedCache:
     cross_v: list[Tensor]  # per layer (groups, heads, src_len, d_v)
     padding_mask: Tensor  # (groups, src_len) True at PAD
     cross_mask: Tensor | None  # (groups, 1, 1, src_len) True = attend; None: no padding
-    self_k: list[Tensor]  # per layer (groups, heads, capacity, g, d_k); positions >= step unused
+    self_k: list[Tensor]  # per layer (groups, heads, capacity, g, d_k); from `position` on unused
     self_v: list[Tensor]  # per layer (groups, heads, capacity, g, d_v)
     ancestry: Tensor  # (groups, g, capacity) long: slot holding each row's key per position
     limit: int  # the model's positions: the caches never grow beyond
     group_size: int = 1  # g
-    step: int = 0  # number of target tokens fed so far = position of the next one
+    position: int = 0  # target tokens fed so far = the position of the next one
     attention_layer: int = -1
     attention: Tensor | None = None
     consumed: bool = False  # set by reorder / release: no longer usable
@@ -107,10 +107,10 @@ class GroupedCache:
         return self.ancestry.size(2)
 
     def layers(self, live: Tensor | None = None) -> list[_GroupedLayer]:
-        """Open the step at position `self.step`: every layer's view of the caches, with
-        `live` (m,) the rows fed (None: all). The caller advances `step` afterwards."""
+        """Open the step at `self.position`: every layer's view of the caches, with
+        `live` (m,) the rows fed (None: all). The caller advances `position` afterwards."""
         self.check_live()
-        position = self.step
+        position = self.position
         if position == self.capacity:
             self.grow(min(2 * position, self.limit))
         mask = slot_mask(self, position)  # None, or (groups, 1, g, (t+1)*g)
@@ -141,7 +141,7 @@ class GroupedCache:
     def grow(self, new_capacity: int) -> None:
         """Enlarge the self-attention caches and ancestry to `new_capacity` positions, in
         place."""
-        used = self.step
+        used = self.position
 
         def grown(old: Tensor) -> Tensor:
             shape = (*old.shape[:2], new_capacity, *old.shape[3:])  # (b, h, cap, g, d)
@@ -171,7 +171,7 @@ class GroupedCache:
         """
         self.check_live()
         self.consumed = True
-        g, groups, used = self.group_size, self.ancestry.size(0), self.step
+        g, groups, used = self.group_size, self.ancestry.size(0), self.position
         group_of = torch.div(new_order, g, rounding_mode="floor")  # (n',) old group
         if layout is None:
             new_g, src = self._find_layout(group_of, new_order.numel())
@@ -210,7 +210,7 @@ class GroupedCache:
                      else self.attention.index_select(0, new_order))
         return GroupedCache(cross_k=cross_k, cross_v=cross_v, padding_mask=padding_mask,
                             cross_mask=cross_mask, self_k=self_k, self_v=self_v,
-                            ancestry=ancestry, limit=self.limit, group_size=new_g, step=used,
+                            ancestry=ancestry, limit=self.limit, group_size=new_g, position=used,
                             attention_layer=self.attention_layer, attention=attention)
 
     def _find_layout(self, group_of: Tensor, n_new: int) -> tuple[int, Tensor | None]:

@@ -98,10 +98,10 @@ class Engine:
             (name for name, d in _DTYPES.items() if d == dtype), str(dtype))
         self.vocab = vocab
         self.device = device
-        self.cfg = self._resolved(cfg)
+        self.decode_cfg = self._resolved(cfg)
         # Decoder positions 0..max_len are used (BOS + max_len pieces), the encoder's
         # 0..len (pieces + EOS): both must stay below every model's max_positions.
-        self.max_positions = min(m.cfg.max_positions for m in self.models)
+        self.max_positions = min(m.config.max_positions for m in self.models)
         self.max_src_len = self.source_limit(max_src_len)
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.seeds = SeedSequence(seed)  # per-batch sampling seeds, shared by configured copies
@@ -127,7 +127,8 @@ class Engine:
         """This translator with other search settings: a shallow copy sharing the models,
         their workspaces and the sampling generator, so use one of the two at a time."""
         other = copy.copy(self)
-        other.cfg, other.max_src_len = self._resolved(cfg), self.source_limit(max_src_len, name)
+        other.decode_cfg = self._resolved(cfg)
+        other.max_src_len = self.source_limit(max_src_len, name)
         return other
 
     def _resolved(self, cfg: DecodeConfig) -> DecodeConfig:
@@ -139,8 +140,8 @@ class Engine:
     @property
     def max_tokens(self) -> int:
         """Source tokens per batch (resolved: never None)."""
-        assert self.cfg.max_tokens is not None
-        return self.cfg.max_tokens
+        assert self.decode_cfg.max_tokens is not None
+        return self.decode_cfg.max_tokens
 
     def __enter__(self) -> Engine:
         return self
@@ -172,7 +173,7 @@ class Engine:
         """`translate_ids` as a future: run by a free worker process, or here and now
         when there are none (the future is then already done)."""
         if self.pool is not None:
-            return self.pool.submit(self.cfg, sources, prefixes, seed)
+            return self.pool.submit(self.decode_cfg, sources, prefixes, seed)
         future: Future = Future()
         try:
             future.set_result(self.translate_ids(sources, prefixes, seed=seed))
@@ -270,7 +271,7 @@ class Engine:
             src[row, :len(ids)] = torch.tensor(list(ids), dtype=torch.long)
             src[row, len(ids)] = EOS_ID
         src = src.to(self.device)  # (batch, src_len)
-        cfg = self.cfg
+        cfg = self.decode_cfg
         cap = self.max_positions - 1
         max_lens = max_output_lengths(src, cfg.max_len_a, cfg.max_len_b, cap=cap)
         prefix = prefix_tensor(prefixes, self.device)  # (batch, P) or None
@@ -427,7 +428,7 @@ def translate_stream(source: BinaryIO, sink: BinaryIO, translator: Engine, *,
     the output is the same, written buffer by buffer in input order. If the translation
     stops (an error, Ctrl-C, SIGTERM), every buffer finished before is written first."""
     RuntimeConfig(errors=errors)  # a known mode, or UsageError
-    size = 1 if interactive else (buffer_size or translator.cfg.buffer_size)
+    size = 1 if interactive else (buffer_size or translator.decode_cfg.buffer_size)
     # Buffers in flight beyond the one being written: one when workers can run ahead.
     ahead = 0 if interactive or translator.pool is None else 1
     stats = TranslateStats()
@@ -445,7 +446,7 @@ def translate_stream(source: BinaryIO, sink: BinaryIO, translator: Engine, *,
         nonlocal broken
         head = pending.popleft()
         try:
-            head.write(sink, translator.cfg.nbest, stats, observe)
+            head.write(sink, translator.decode_cfg.nbest, stats, observe)
         except BaseException:
             broken = True
             raise
@@ -579,7 +580,7 @@ def start_texts(translator: Engine, texts: Sequence[str], *,
         sources.append(ids)
         owners.append(i)
     batches = source_batches([len(s) for s in sources], translator.max_tokens)
-    seeds = [translator.seeds.next() if translator.cfg.sampling else None for _ in batches]
+    seeds = [translator.seeds.next() if translator.decode_cfg.sampling else None for _ in batches]
     futures: list[tuple[list[int], Future]] = []
     for batch, seed in reversed(list(zip(batches, seeds, strict=True))):  # longest first
         batch_prefixes = ([prefix_ids.get(owners[j], []) for j in batch] if prefix_ids

@@ -3,7 +3,7 @@ encoder, decoder, shared output projection), `layers` (encoder/decoder layers, f
 `attention` (multi-head attention over fused SDPA) and `dropout`.
 
 Imports torch, nmt.config and nmt.errors only (tests/test_dependencies.py): no files, no
-CLI, no search. Incremental decoding reaches the layers through their `step` methods, which
-see the key/value caches (nmt/inference) through one interface, `incremental.LayerCache`:
-project -> write -> attend.
+CLI, no search. Incremental decoding reaches the layers through their `incremental`
+methods, which see the key/value caches (nmt/inference) through one interface,
+`incremental.LayerCache`: project -> write -> attend.
 """

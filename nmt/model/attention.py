@@ -94,7 +94,7 @@ class SelfAttention(nn.Module):
         context = attend(q, k, v, attn_mask, is_causal, drop)  # (batch, heads, len, d_v)
         return self.merge(context)
 
-    def step(self, x: Tensor, cache: LayerCache) -> Tensor:
+    def incremental(self, x: Tensor, cache: LayerCache) -> Tensor:
         """One incremental decoder step: project this position, write its key/value to the
         cache, attend over the history the cache hands back.
 
@@ -279,7 +279,7 @@ class CrossAttention(nn.Module):
         context = context.transpose(1, 2).reshape(batch, length, -1)  # (batch, tgt, heads*d_v)
         return self.out(context), weights
 
-    def step(self, x: Tensor, cache: LayerCache, need_weights: bool = False
+    def incremental(self, x: Tensor, cache: LayerCache, need_weights: bool = False
              ) -> tuple[Tensor, Tensor | None]:
         """Incremental decoding: `x` (m, 1, d_model) holds the `cache.live` rows (all n when
         live is None) against the encoder K/V the cache holds, one entry per group of

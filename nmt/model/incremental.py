@@ -1,8 +1,8 @@
 """The one interface between the network and incremental decoding's caches.
 
-A decoder layer's `step` sees its part of the decoding state as a `LayerCache`: it writes
-this position's self-attention key/value, reads back the keys/values to attend over, and
-reads the encoder's K/V. How the history is laid out (grouped per sentence, slots, masks,
+A decoder layer's `incremental` call sees its part of the decoding state as a `LayerCache`:
+it writes this position's self-attention key/value, reads back the keys/values to attend
+over, and reads the encoder's K/V. How the history is laid out (grouped per sentence, slots, masks,
 or plain per-row tensors) is the cache's business, in nmt/inference; the network only
 follows one convention, "rows per entry":
 

@@ -154,7 +154,7 @@ class DecoderLayer(nn.Module):
         x = self.res_cross.after(x, cross)
         return self.res_ffn.after(x, self.ffn(self.res_ffn.before(x)))
 
-    def step(self, x: Tensor, cache: LayerCache, need_weights: bool = False
+    def incremental(self, x: Tensor, cache: LayerCache, need_weights: bool = False
              ) -> tuple[Tensor, Tensor | None]:
         """One incremental step on `x` (m, 1, d_model), the newest position of the
         `cache.live` rows (all rows when None): self-attention writes to and reads from
@@ -163,8 +163,8 @@ class DecoderLayer(nn.Module):
         rows fed. Returns (output (m, 1, d_model), cross-attention weights (m, heads,
         src_len) when `need_weights`, else None).
         """
-        x = self.res_self.after(x, self.self_attn.step(self.res_self.before(x), cache))
-        cross, weights = self.cross_attn.step(self.res_cross.before(x), cache, need_weights)
+        x = self.res_self.after(x, self.self_attn.incremental(self.res_self.before(x), cache))
+        cross, weights = self.cross_attn.incremental(self.res_cross.before(x), cache, need_weights)
         x = self.res_cross.after(x, cross)
         x = self.res_ffn.after(x, self.ffn(self.res_ffn.before(x)))
         return x, weights

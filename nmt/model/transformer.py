@@ -12,7 +12,7 @@ projects only the non-padding target positions to the vocabulary (`decode_featur
 
 Incremental decoding (one target position at a time over a key/value cache, for search)
 lives in nmt/inference/decoding.py; it drives the same modules through `embed_tokens`, the layers'
-`step` methods and `dec_norm`. Inputs longer than `cfg.max_positions` raise UsageError;
+`incremental` methods and `dec_norm`. Inputs longer than `config.max_positions` raise UsageError;
 `nmt translate` truncates first. Imports torch and the network modules only: no files, no
 CLI, no search.
 """
@@ -52,7 +52,7 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
         self.scale = embedding_scale(cfg.d_model)
         self.enc_positions = Positions(cfg)
@@ -79,14 +79,14 @@ class Transformer(nn.Module):
         """Scaled token embeddings plus `positions` (len, d_model), then dropout:
         (..., len) ids -> (..., len, d_model)."""
         x = self.embed(tokens) * self.scale + positions
-        return dropout(x, self.cfg.dropout, self.training)
+        return dropout(x, self.config.dropout, self.training)
 
     def encode(self, src: Tensor, has_pad: bool | None = None) -> EncoderOutput:
         """Encode `src` (batch, src_len) of ids (pieces + EOS, right-padded with PAD).
 
         `has_pad` tells whether any row has padding; None computes it (one host sync).
         """
-        padding_mask = src.eq(self.cfg.pad_id)  # (batch, src_len)
+        padding_mask = src.eq(self.config.pad_id)  # (batch, src_len)
         if has_pad is None:
             has_pad = bool(padding_mask.any())  # the one host sync of a forward
         # (batch, 1, 1, src_len) or None, shared by every encoder layer

@@ -119,7 +119,7 @@ class Trainer:
                  tensorboard: Path | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.run_dir = Path(run_dir)
-        self.cfg = train_cfg
+        self.train_cfg = train_cfg
         self.tensorboard = tensorboard  # also write TensorBoard events there
         self.env, self.device = join(device)
         try:  # a rank that fails here leaves the process group, or gloo aborts at exit
@@ -205,7 +205,7 @@ class Trainer:
     def _build_batches(self) -> EpochBatches:
         """Each epoch's batch list (shuffled per epoch by `epoch_order`): one fixed list,
         or a per-epoch draw when the data's corpora carry sampling weights."""
-        data, cfg = self.train_data, self.cfg
+        data, cfg = self.train_data, self.train_cfg
         batches = EpochBatches(data.src.lengths, data.tgt.lengths, self.corpora,
                                self.batching.micro_tokens, cfg.max_len, cfg.seed)
         count = len(batches.get(self.data_state.epoch).batches)
@@ -238,7 +238,7 @@ class Trainer:
         Time-based flags and the time the schedule follows come from rank 0 alone (ranks'
         clocks differ; every rank must set the same learning rate).
         """
-        cfg = self.cfg
+        cfg = self.train_cfg
         elapsed = run.elapsed()
         want_save = (cfg.save_interval_minutes > 0
                      and time.perf_counter() - run.last_save >= cfg.save_interval_minutes * 60)
@@ -255,7 +255,7 @@ class Trainer:
         step = train_step(self.net, self.model, micro, tgt_tokens=tgt_tokens,
                           optimizer=self.optimizer, scaler=self.scaler,
                           precision=self.precision, loss=self.loss_options,
-                          world_size=self.env.world_size, clip_norm=self.cfg.clip_norm)
+                          world_size=self.env.world_size, clip_norm=self.train_cfg.clip_norm)
         stats = torch.stack([step.loss_sum, step.nll_sum])
         if self.env.active:
             stats = torch.cat([stats, self.readback.flags_on_device(flags)])
@@ -287,7 +287,7 @@ class Trainer:
         payload = build_payload(
             model=self.model, optimizer=self.optimizer, scheduler=self.schedule,
             scaler=self.scaler, step=self.step, data_state=self.data_state, rng=rngs,
-            model_config=self.model_cfg.to_dict(), train_config=self.cfg.to_dict(),
+            model_config=self.model_cfg.to_dict(), train_config=self.train_cfg.to_dict(),
             vocab=self.vocab.proto, meta=self.meta, elapsed_seconds=elapsed)
         payload["best"] = self.best.state_dict()
         if self.ema is not None:
@@ -296,7 +296,7 @@ class Trainer:
             path = write_resume_point(payload, self.run_dir)
             self._say(f"saved {path} (update {self.step}; resume point only)")
         else:
-            path = write_checkpoint(payload, self.run_dir, self.cfg.keep_last)
+            path = write_checkpoint(payload, self.run_dir, self.train_cfg.keep_last)
             self._say(f"saved {path} (update {self.step})")
         return path
 
@@ -318,7 +318,7 @@ class Trainer:
                 if self.best.exhausted:  # resumed from the checkpoint an early stop wrote
                     run.summary.stopped_early = True
                     self._say(f"early stop at update {self.step} reached before (--patience "
-                              f"{self.cfg.patience}: best {self.best.metric} at update "
+                              f"{self.train_cfg.patience}: best {self.best.metric} at update "
                               f"{self.best.best_step}); nothing to train")
                 rng = self._train(feed, run)
                 # Decided from what every rank knows alike, never from files: a rank that looked
@@ -343,7 +343,7 @@ class Trainer:
 
     def _announce(self, run: _Run) -> None:
         """The start-up lines; a fine-tuning run validates once before its first update."""
-        cfg, summary = self.cfg, run.summary
+        cfg, summary = self.train_cfg, run.summary
         n_batches = len(self.epoch_batches.get(self.data_state.epoch).batches)
         weighted = " (corpora sampled by weight each epoch)" if self.epoch_batches.weighted \
             else ""
@@ -386,7 +386,7 @@ class Trainer:
         rng: dict[str, Any] | None = None  # deferred: before the dropout of the update after
         while not run.summary.stopped_early:
             launched, ended = None, False
-            if self.step + (in_flight is not None) < self.cfg.max_updates:
+            if self.step + (in_flight is not None) < self.train_cfg.max_updates:
                 nxt = feed.next()
                 if nxt is None:
                     ended = True
@@ -403,7 +403,7 @@ class Trainer:
             if launched is None:
                 if ended and self.feed.epoch_end is not None:
                     self.data_state = self.feed.epoch_end  # past the last epoch
-                if ended or self.step >= self.cfg.max_updates:
+                if ended or self.step >= self.train_cfg.max_updates:
                     return rng  # --max-epochs or --max-updates reached
                 continue  # the last update in flight was skipped: one more is needed
             if self.deferred:
@@ -418,7 +418,7 @@ class Trainer:
         """Read an update's statistics and act on them: apply or skip it (in-line path;
         the deferred path only advances the schedule and weight average, the optimizer
         having stepped on the device), count, log, validate, save. True: stop training."""
-        cfg, summary = self.cfg, run.summary
+        cfg, summary = self.train_cfg, run.summary
         values = launched.stats.values()  # the update's one host sync
         loss, nll, gnorm = values[0], values[1], values[-1]
         save_flag, stop_flag, preempt_flag, elapsed = (values[2:-1] if self.env.active
@@ -459,7 +459,7 @@ class Trainer:
         """How much of the budget has passed after `updates` updates, `elapsed` seconds in
         and at `self.data_state`: the largest share of --max-updates, --max-minutes and
         --max-epochs (those set), at most 1. The budgeted schedules follow it."""
-        cfg = self.cfg
+        cfg = self.train_cfg
         shares = [updates / cfg.max_updates]
         if cfg.max_minutes > 0:
             shares.append(elapsed / (cfg.max_minutes * 60))
@@ -485,7 +485,7 @@ class Trainer:
         summary.skipped_updates += 1
         self._say(f"update {self.step + 1}: non-finite loss or gradient; "
                   f"step skipped ({summary.skipped_updates} so far)")
-        if run.streak >= self.cfg.max_nonfinite_in_a_row:
+        if run.streak >= self.train_cfg.max_nonfinite_in_a_row:
             raise TrainingAborted(
                 f"{run.streak} updates in a row had a non-finite loss or gradient; "
                 f"stopped at update {self.step} (last checkpoint intact); lower "
@@ -525,8 +525,8 @@ class Trainer:
             return {}
         weights = self.ema.applied() if self.ema is not None else contextlib.nullcontext()
         with weights:
-            metrics = validate(self.model, self.valid_data, self.vocab, self.cfg,
-                               self.device, self.env, bleu=self.cfg.decode_valid,
+            metrics = validate(self.model, self.valid_data, self.vocab, self.train_cfg,
+                               self.device, self.env, bleu=self.train_cfg.decode_valid,
                                data_dir=self.data_dir)
             metrics = broadcast_object(self.env, metrics)
             improved = self.best.observe(metrics, self.step)

@@ -42,7 +42,7 @@ def validate(model: torch.nn.Module, data: ParallelData, vocab: Vocab, cfg: Trai
         with autocast(device, resolve_precision(cfg.precision, device)):
             logits = model(batch.src, batch.tgt_in)
             loss, nll = label_smoothed_nll(logits, batch.tgt_out, cfg.label_smoothing,
-                                           model.cfg.pad_id)
+                                           model.config.pad_id)
         sums += torch.stack([loss.double(), nll.double(),
                              torch.tensor(float(batch.tgt_tokens), device=device,
                                           dtype=torch.float64)])

@@ -18,7 +18,7 @@ from torch import Tensor
 
 @dataclass
 class PlainCache:
-    """Per-row caches for n rows: `self_k[i]` (n, heads, step, d_k) for layer i, the
+    """Per-row caches for n rows: `self_k[i]` (n, heads, position, d_k) for layer i, the
     encoder K/V and mask per row. Same methods as GroupedCache."""
 
     cross_k: list[Tensor]  # per layer (n, heads, d_k, src_len): keys transposed
@@ -27,7 +27,7 @@ class PlainCache:
     limit: int  # the model's positions, checked by the model itself
     self_k: list[Tensor] = field(default_factory=list)  # per layer (n, heads, step, d_k)
     self_v: list[Tensor] = field(default_factory=list)  # per layer (n, heads, step, d_v)
-    step: int = 0
+    position: int = 0
     attention_layer: int = -1
     attention: Tensor | None = None
     consumed: bool = False
@@ -50,7 +50,7 @@ class PlainCache:
         return self.cross_k[0].size(0)
 
     def layers(self, live: Tensor | None = None) -> list[_PlainLayer]:
-        """Every layer's view for the step at position `self.step`."""
+        """Every layer's view for the step at `self.position`."""
         self.check_live()
         return [_PlainLayer(self, i, live) for i in range(len(self.cross_k))]
 
@@ -85,7 +85,7 @@ class PlainCache:
             cross_k=pick(self.cross_k), cross_v=pick(self.cross_v),
             cross_mask=None if self.cross_mask is None else self.cross_mask[new_order],
             limit=self.limit, self_k=pick(self.self_k), self_v=pick(self.self_v),
-            step=self.step, attention_layer=self.attention_layer,
+            position=self.position, attention_layer=self.attention_layer,
             attention=None if self.attention is None else self.attention[new_order])
 
 

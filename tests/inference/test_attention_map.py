@@ -104,7 +104,7 @@ def test_maps_equal_full_decoder_softmax(ckpt: Path, test_lines: list[str],
     for row, (src_ids, hyp_ids) in enumerate(zip(sources, hyps, strict=True)):
         weights, src_labels, tgt_labels = attention_maps(model, translator.vocab, src_ids,
                                                          hyp_ids, layer, CPU)
-        heads = model.cfg.heads
+        heads = model.config.heads
         assert weights.shape == (heads, len(hyp_ids) + 1, len(src_ids) + 1)
         assert weights.dtype == torch.float32
         assert (len(tgt_labels), len(src_labels)) == weights.shape[1:]

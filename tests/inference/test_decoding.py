@@ -72,7 +72,7 @@ def test_incremental_decoding_equals_full_decode_with_reorder_and_expand():
         logits = decode_step(model, tgt.index_select(0, source_of_row)[:, t], state)
         torch.testing.assert_close(logits, full.index_select(0, source_of_row)[:, t],
                                    rtol=1e-4, atol=1e-5)
-    assert state.step == tgt.size(1) and len(source_of_row) == 3
+    assert state.position == tgt.size(1) and len(source_of_row) == 3
 
 
 @torch.no_grad()
@@ -98,8 +98,8 @@ def test_need_attention_stores_cross_attention_without_changing_logits():
         got = decode_step(model, tgt[:, t], probe, need_attention=True)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
         attn = probe.attention
-        assert attn is not None and attn.shape == (2, model.cfg.heads, src.size(1))
-        torch.testing.assert_close(attn.sum(-1), torch.ones(2, model.cfg.heads))
+        assert attn is not None and attn.shape == (2, model.config.heads, src.size(1))
+        torch.testing.assert_close(attn.sum(-1), torch.ones(2, model.config.heads))
         assert torch.all(attn[1, :, 3:] == 0)  # padding gets no attention
     assert plain.attention is None
 
@@ -116,7 +116,7 @@ def test_step_under_autocast_is_finite():
 def test_too_long_target_raises_usage_error():
     model = make_model(max_positions=8)
     state = init_state(model, model.encode(random_batch([4], seed=18)))
-    state.step = 8
+    state.position = 8
     with pytest.raises(UsageError, match="max_positions"):
         decode_step(model, torch.tensor([BOS_ID]), state)
 

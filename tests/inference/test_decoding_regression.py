@@ -72,7 +72,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Engine, list[list[i
     finally:
         torch.set_num_threads(threads)
     ckpt = work / "model.pt"
-    save_checkpoint({"format": FORMAT, "step": 120, "model_config": model.cfg.to_dict(),
+    save_checkpoint({"format": FORMAT, "step": 120, "model_config": model.config.to_dict(),
                      "vocab": proto, "model": model.state_dict()}, ckpt)
     translator = Engine.load([ckpt], CFG, device="cpu", precision="fp32")
     text = (multi30k / "test_2016_flickr.en").read_text(encoding="utf-8")

@@ -70,7 +70,7 @@ def test_padding_embedding_row_is_zero_and_init_scale():
     model = make_model()
     assert torch.count_nonzero(model.embed.weight[PAD_ID]) == 0
     std = model.embed.weight[EOS_ID + 1:].std().item()
-    assert abs(std - model.cfg.d_model ** -0.5) < 0.02
+    assert abs(std - model.config.d_model ** -0.5) < 0.02
 
 
 def test_weights_are_shared_by_embeddings_and_output_projection():
@@ -112,7 +112,7 @@ def test_sinusoids_follow_the_paper_formula():
 def test_first_position_gets_position_zero():
     model = make_model()
     x = model.enc_positions(3)
-    torch.testing.assert_close(x, sinusoids(3, model.cfg.d_model))
+    torch.testing.assert_close(x, sinusoids(3, model.config.d_model))
     torch.testing.assert_close(model.dec_positions(1, offset=2)[0], x[2])
 
 
@@ -172,7 +172,7 @@ def test_rebuilt_from_checkpoint_alone(tmp_path, multi30k_dir):
                                    unk_id=1, bos_id=BOS_ID, eos_id=EOS_ID, minloglevel=2)
     model = make_model(seed=4)
     path = tmp_path / "checkpoint_1.pt"
-    save_checkpoint({"format": FORMAT, "step": 1, "model_config": model.cfg.to_dict(),
+    save_checkpoint({"format": FORMAT, "step": 1, "model_config": model.config.to_dict(),
                      "vocab": proto.getvalue(), "model": model.state_dict()}, path)
     again, vocab, payload = load_model(path)
     assert payload["step"] == 1 and len(vocab) == VOCAB and not again.training

@@ -77,7 +77,7 @@ def replace_dir(new: Path, output: Path, tmp: Path) -> None:
 
 def architecture(model: Any) -> str:
     """One line: layers, widths, heads, norm placement, positions."""
-    cfg = model.cfg
+    cfg = model.config
     return (f"Transformer, {cfg.encoder_layers}+{cfg.decoder_layers} layers, d_model "
             f"{cfg.d_model}, d_ff {cfg.d_ff}, {cfg.heads} heads, "
             f"{'pre' if cfg.pre_norm else 'post'}-norm, "

@@ -87,7 +87,7 @@ def build_spec(model: Any, vocab: Vocab) -> Any:
     import_ctranslate2()  # a UsageError naming the install command when missing
     from ctranslate2.specs import common_spec, transformer_spec
 
-    cfg = model.cfg
+    cfg = model.config
     if cfg.head_dim_k != cfg.head_dim_v:
         raise UsageError(f"d_k {cfg.head_dim_k} != d_v {cfg.head_dim_v}: CTranslate2 needs "
                          "one head size for keys and values")

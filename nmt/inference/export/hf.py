@@ -127,7 +127,7 @@ def _quiet(transformers: Any) -> Iterator[None]:
 
 def check_expressible(model: Any) -> None:
     """Refuse what a MarianMTModel cannot compute exactly: UsageError naming it."""
-    cfg = model.cfg
+    cfg = model.config
     reasons = []
     if cfg.pre_norm:
         reasons.append("it is pre-norm (Marian is post-norm, with no final LayerNorm)")
@@ -150,7 +150,7 @@ def halves_permutation(d_model: int) -> torch.Tensor:
 def marian_state_dict(model: Any) -> dict[str, torch.Tensor]:
     """nmt's weights under MarianMTModel's names, residual channels permuted (see the
     module docstring)."""
-    cfg = model.cfg
+    cfg = model.config
     perm = halves_permutation(cfg.d_model)
     state: dict[str, torch.Tensor] = {}
 
@@ -216,7 +216,7 @@ def _self_attention(reads: Any, name: str, attention: Any) -> None:
 
 def marian_config(transformers: Any, exported: Exported) -> Any:
     """The MarianConfig of the exported model."""
-    cfg = exported.model.cfg
+    cfg = exported.model.config
     return transformers.MarianConfig(
         vocab_size=cfg.vocab_size, decoder_vocab_size=cfg.vocab_size,
         max_position_embeddings=cfg.max_positions, d_model=cfg.d_model,
@@ -277,7 +277,7 @@ def export_hf(checkpoint: Path, output: Path, force: bool = False) -> Path:
     exported = read_checkpoint(Path(checkpoint))
     check_expressible(exported.model)
     source, target = language_pair(exported)
-    max_length = min(exported.model.cfg.max_positions, 512)
+    max_length = min(exported.model.config.max_positions, 512)
     with _quiet(transformers):
         model = transformers.MarianMTModel(marian_config(transformers, exported)).eval()
         missing, unexpected = model.load_state_dict(marian_state_dict(exported.model),
