@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -59,21 +60,60 @@ class Hypothesis:
 
 
 class StepDecoder(Protocol):
-    """Incremental next-token scorer over N rows (the search's only view of a model).
-
-    Three optional methods are used when present: `step_rows(tokens, rows, n_rows)` feeds
-    only some rows (see `step_rows`), `reserve(positions)` announces how many tokens at
-    most will be fed (the model adapter preallocates its caches), and
-    `regroup(new_order, group_size, source)` is `reorder` told the order's layout (see
-    `regroup`)."""
+    """Incremental next-token scorer over N rows: the search's only view of a model, every
+    method required (`FullStepDecoder` derives the last three for a decoder that can only
+    step all its rows and reorder them)."""
 
     def step(self, tokens: Tensor) -> Tensor:
         """Feed the newest token of each row, (N,) long -> log-probs (N, V) float32."""
         ...
 
+    def step_rows(self, tokens: Tensor, rows: Tensor, n_rows: int) -> Tensor:
+        """Log-probs (m, V) of rows `rows` (m,) of the `n_rows` held, fed `tokens` (m,);
+        the other rows are finished for good (the model skips their matmuls)."""
+        ...
+
     def reorder(self, new_order: Tensor) -> None:
         """Keep rows `new_order` (N',) of the cached state, in that order (may repeat)."""
         ...
+
+    def regroup(self, new_order: Tensor, group_size: int, source: Tensor | None) -> None:
+        """`reorder(new_order)` for an order whose layout the caller knows, so the model's
+        cache need not read it back (two host syncs a reorder on a GPU): the rows form
+        groups (a sentence's rows: one before beam search's expansion, `beam` after), and
+        every `group_size` consecutive new rows come from one old group, new group i from
+        old group `source[i]` ((groups',) long), or from old group i when `source` is None
+        (every group kept, in place)."""
+        ...
+
+    def reserve(self, positions: int) -> None:
+        """At most `positions` tokens will be fed (the model preallocates its caches)."""
+        ...
+
+
+class FullStepDecoder(ABC):
+    """A StepDecoder from `step` and `reorder` alone (scripted tables, wrappers): rows left
+    out are fed EOS and their output dropped, a layout is not needed, nothing reserved."""
+
+    @abstractmethod
+    def step(self, tokens: Tensor) -> Tensor:
+        """Feed the newest token of each row, (N,) long -> log-probs (N, V) float32."""
+
+    @abstractmethod
+    def reorder(self, new_order: Tensor) -> None:
+        """Keep rows `new_order` (N',) of the cached state, in that order (may repeat)."""
+
+    def step_rows(self, tokens: Tensor, rows: Tensor, n_rows: int) -> Tensor:
+        """`step` of all `n_rows` rows (the others fed EOS), rows `rows` (m,) selected."""
+        full = tokens.new_full((n_rows,), EOS_ID).index_copy_(0, rows, tokens)  # (n_rows,)
+        return self.step(full).index_select(0, rows)  # (m, V)
+
+    def regroup(self, new_order: Tensor, group_size: int, source: Tensor | None) -> None:
+        """`reorder`: the layout is not needed."""
+        self.reorder(new_order)
+
+    def reserve(self, positions: int) -> None:  # noqa: B027 (a no-op on purpose)
+        """Nothing to preallocate."""
 
 
 class EnsembleStepDecoder:
@@ -90,18 +130,18 @@ class EnsembleStepDecoder:
 
     def step(self, tokens: Tensor) -> Tensor:
         """Log of the mean probability over members, (N,) -> (N, V)."""
-        if len(self.decoders) == 1:
-            return self.decoders[0].step(tokens)
-        stacked = torch.stack([d.step(tokens) for d in self.decoders])  # (M, N, V)
-        return torch.logsumexp(stacked, dim=0) - math.log(len(self.decoders))
+        return self._mean([d.step(tokens) for d in self.decoders])
 
     def step_rows(self, tokens: Tensor, rows: Tensor, n_rows: int) -> Tensor:
-        """`step` for rows `rows` (m,) only, `tokens` (m,) -> (m, V) (see `step_rows`)."""
-        if len(self.decoders) == 1:
-            return step_rows(self.decoders[0], tokens, rows, n_rows)
-        stacked = torch.stack([step_rows(d, tokens, rows, n_rows)
-                               for d in self.decoders])  # (M, m, V)
-        return torch.logsumexp(stacked, dim=0) - math.log(len(self.decoders))
+        """`step` for rows `rows` (m,) only, `tokens` (m,) -> (m, V)."""
+        return self._mean([d.step_rows(tokens, rows, n_rows) for d in self.decoders])
+
+    def _mean(self, log_probs: list[Tensor]) -> Tensor:
+        """log(mean of the members' probabilities) of their (rows, V) log-probs."""
+        if len(log_probs) == 1:
+            return log_probs[0]
+        stacked = torch.stack(log_probs)  # (M, rows, V)
+        return torch.logsumexp(stacked, dim=0) - math.log(len(log_probs))
 
     def reorder(self, new_order: Tensor) -> None:
         """Reorder every member the same way."""
@@ -109,55 +149,14 @@ class EnsembleStepDecoder:
             decoder.reorder(new_order)
 
     def regroup(self, new_order: Tensor, group_size: int, source: Tensor | None) -> None:
-        """Reorder every member the same way, telling each the layout (see `regroup`)."""
+        """Reorder every member the same way, telling each the layout."""
         for decoder in self.decoders:
-            regroup(decoder, new_order, group_size, source)
+            decoder.regroup(new_order, group_size, source)
 
     def reserve(self, positions: int) -> None:
-        """Pass the length limit on to every member that can use it."""
+        """Pass the length limit on to every member."""
         for decoder in self.decoders:
-            _reserve(decoder, positions)
-
-
-def step_rows(decoder: StepDecoder, tokens: Tensor, rows: Tensor, n_rows: int) -> Tensor:
-    """Log-probs (m, V) of rows `rows` (m,) of a decoder holding `n_rows` rows, fed
-    `tokens` (m,); its other rows are finished for good and their output unused.
-
-    Uses the decoder's own `step_rows` when it has one (the model skips those rows'
-    matmuls); any other StepDecoder steps all its rows (the others fed EOS) and the
-    wanted ones are selected.
-    """
-    own = getattr(decoder, "step_rows", None)
-    if own is not None:
-        return own(tokens, rows, n_rows)
-    full = tokens.new_full((n_rows,), EOS_ID).index_copy_(0, rows, tokens)  # (n_rows,)
-    return decoder.step(full).index_select(0, rows)  # (m, V)
-
-
-def regroup(decoder: StepDecoder, new_order: Tensor, group_size: int,
-            source: Tensor | None) -> None:
-    """`decoder.reorder(new_order)` for an order whose layout the caller knows: the decoder's
-    rows form groups (a sentence's rows: one before beam search's expansion, `beam` after),
-    and every `group_size` consecutive new rows come from one old group, new group i from
-    old group `source[i]` ((groups',) long), or from old group i when `source` is None
-    (every group kept, in place).
-
-    Uses the decoder's own `regroup` when it has one (the model's cache then need not read
-    the order back to find its layout: two host syncs a reorder on a GPU), else `reorder`.
-    """
-    own = getattr(decoder, "regroup", None)
-    if own is not None:
-        own(new_order, group_size, source)
-    else:
-        decoder.reorder(new_order)
-
-
-def _reserve(decoder: StepDecoder, positions: int) -> None:
-    """Tell a decoder that at most `positions` tokens will be fed, when it can use that
-    (the model adapter preallocates its caches; an ensemble tells its members)."""
-    reserve = getattr(decoder, "reserve", None)
-    if reserve is not None:
-        reserve(positions)
+            decoder.reserve(positions)
 
 
 def length_penalty(length: Tensor | float, alpha: float) -> Tensor:
@@ -274,7 +273,7 @@ def beam_search(decoder: StepDecoder, max_lens: Tensor, *, beam: int, alpha: flo
         return []
     budgets = max_lens.tolist()  # the one host read before the steps
     width = max(budgets) + 2  # BOS + pieces + EOS
-    _reserve(decoder, width)
+    decoder.reserve(width)
     # The decoder keeps one row per sentence for step 0 (all beams hold the same BOS
     # prefix, so it is computed once) and is expanded to B * beam by step 0's reorder.
     beams = _Beams.start(max_lens, budgets, beam, nbest, width, alpha, prefix,
@@ -376,7 +375,7 @@ class _Beams:
             log_probs = decoder.step(self.tokens[:, :, t].reshape(-1))  # (rows * beam, V)
         else:
             self.live = (self.group.unsqueeze(1) * beam + self.slots).view(-1)  # (rows*beam,)
-            log_probs = step_rows(decoder, self.tokens[:, :, t].reshape(-1), self.live,
+            log_probs = decoder.step_rows(self.tokens[:, :, t].reshape(-1), self.live,
                                   self.n_groups * beam)  # (rows * beam, V)
         vocab = log_probs.size(-1)
         at_max = ((self.lens == t).repeat_interleave(beam) if t in self.lens_host
@@ -422,7 +421,7 @@ class _Beams:
             assert self.live is not None
             order = torch.arange(self.n_groups * beam, device=device)  # (groups * beam,)
             order[self.live] = (self.group.unsqueeze(1) * beam + keep_beam).view(-1)
-        regroup(decoder, order, beam, None)
+        decoder.regroup(order, beam, None)
 
     def retire(self, decoder: StepDecoder, out: _Finished, t: int, alpha: float) -> bool:
         """Store the sentences that are done into `out` and drop them from the batch
@@ -459,8 +458,8 @@ class _Beams:
         self.fallback = self.fallback.select(keep)
         self.group = keep if self.group is None else self.group[keep]  # (kept,)
         if n_keep <= (1.0 - COMPACT_AT) * self.n_groups:  # compact: drop dead groups
-            regroup(decoder, (self.group.unsqueeze(1) * self.beam + self.slots).view(-1),
-                    self.beam, self.group)  # (kept * beam,)
+            decoder.regroup((self.group.unsqueeze(1) * self.beam + self.slots).view(-1),
+                            self.beam, self.group)  # (kept * beam,)
             self.n_groups, self.group = n_keep, None  # rows above
         return False
 

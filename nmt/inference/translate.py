@@ -46,7 +46,6 @@ from nmt.inference.search import (
     beam_search,
     max_output_lengths,
     prefix_tensor,
-    regroup,
     sample_decode,
 )
 from nmt.inference.workers import WorkerPool, check_workers, fork_safe_threads
@@ -290,7 +289,7 @@ class Engine:
                                    early_stop=cfg.early_stop)
             rows = torch.arange(len(sources), device=self.device).repeat_interleave(cfg.nbest)
             # (batch * nbest,): independent samples, each sentence's nbest rows one group
-            regroup(decoder, rows, cfg.nbest, None)  # the layout told: the cache reads none
+            decoder.regroup(rows, cfg.nbest, None)  # the layout told: the cache reads none
             flat = sample_decode(decoder, max_lens[rows], temperature=cfg.temperature,
                                  top_k=cfg.top_k, top_p=cfg.top_p, alpha=cfg.alpha,
                                  min_len=cfg.min_len, generator=self.generator,

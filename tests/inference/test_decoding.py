@@ -25,7 +25,7 @@ from nmt.inference.decoding import (
     init_state,
 )
 from nmt.inference.kv_cache import INITIAL_CAPACITY, GroupedCache, Regroup
-from nmt.inference.search import beam_search, max_output_lengths
+from nmt.inference.search import FullStepDecoder, beam_search, max_output_lengths
 from nmt.model.transformer import Transformer
 from nmt.special_ids import BOS_ID, EOS_ID, PAD_ID
 
@@ -305,7 +305,7 @@ def test_beam_cache_is_grouped_per_sentence_and_reorders_without_copies() -> Non
     assert within and all(within)  # same-size reorders reuse the very same K/V buffers
     assert any(after < before for before, after, _ in buffers)  # finished sentences left
 
-    class FullRedecoder:
+    class FullRedecoder(FullStepDecoder):
         """Reference StepDecoder: re-decodes each row's whole prefix, no cache at all."""
 
         def __init__(self) -> None:

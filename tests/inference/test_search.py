@@ -14,6 +14,7 @@ import torch
 from nmt.config import DecodeConfig
 from nmt.inference.search import (
     EnsembleStepDecoder,
+    FullStepDecoder,
     Hypothesis,
     beam_search,
     filter_log_probs,
@@ -51,7 +52,7 @@ def run_sampling(decoder, max_lens: torch.Tensor, **settings) -> list[Hypothesis
         "alpha": 0.0, "min_len": DEFAULTS.min_len, **settings})
 
 
-class TableDecoder:
+class TableDecoder(FullStepDecoder):
     """Fake StepDecoder: p(next | sentence, prefix) from a function; tracks each row's
     prefix and reorders it exactly as a model's cache would be reordered."""
 

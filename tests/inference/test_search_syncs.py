@@ -35,6 +35,7 @@ from nmt.inference.decoding import ModelStepDecoder
 from nmt.inference.kv_cache import GroupedCache
 from nmt.inference.search import (
     EnsembleStepDecoder,
+    FullStepDecoder,
     Hypothesis,
     beam_search,
     greedy_decode,
@@ -204,14 +205,13 @@ class ShapeLog:
     def __init__(self, decoder: Any) -> None:
         self.decoder = decoder
         self.fed: list[tuple[str, int]] = []  # ("step" or "rows", rows the decoder holds)
-        self.step_rows = self._step_rows if hasattr(decoder, "step_rows") else None
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         self.fed.append(("step", tokens.numel()))
         return self.decoder.step(tokens)
 
-    def _step_rows(self, tokens: torch.Tensor, rows: torch.Tensor, n_rows: int
-                   ) -> torch.Tensor:
+    def step_rows(self, tokens: torch.Tensor, rows: torch.Tensor, n_rows: int
+                  ) -> torch.Tensor:
         self.fed.append(("rows", n_rows))
         return self.decoder.step_rows(tokens, rows, n_rows)
 
@@ -327,7 +327,7 @@ def test_sample_one_is_torch_multinomial(seed: int) -> None:
 def test_sampling_nan_distribution_raises() -> None:
     """torch.multinomial refused NaN probabilities; sample_decode still does."""
 
-    class NaNDecoder:
+    class NaNDecoder(FullStepDecoder):
         def step(self, tokens: torch.Tensor) -> torch.Tensor:
             return torch.full((tokens.numel(), 8), math.nan)
 
@@ -352,12 +352,16 @@ def test_penalty_table_is_length_penalty_bit_for_bit(alpha: float) -> None:
 
 
 class Reorderer:
-    """A step decoder without `regroup`: the search falls back to `reorder`, so the cache
-    finds each order's layout itself."""
+    """A step decoder whose `regroup` does not tell the layout: the cache finds each
+    order's layout itself."""
 
     def __init__(self, decoder: ModelStepDecoder) -> None:
         self.step, self.step_rows = decoder.step, decoder.step_rows
         self.reorder, self.reserve = decoder.reorder, decoder.reserve
+
+    def regroup(self, new_order: torch.Tensor, group_size: int,
+                source: torch.Tensor | None) -> None:
+        self.reorder(new_order)
 
 
 def flat(hyps: list[list[Hypothesis]]) -> list[tuple[list[int], float, float]]:
