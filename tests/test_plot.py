@@ -18,7 +18,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def train_record(step: int, minutes: float) -> dict:
-    """A `kind: train` record with the keys of Trainer._log_train."""
+    """A `kind: train` record with the keys of RunLog.train (nmt/train/log.py)."""
     nll = 8.0 * math.exp(-step / 300) + 2.0
     return {"kind": "train", "step": step, "epoch": 1 + step // 500, "loss": nll + 0.4,
             "nll": nll, "ppl": math.exp(nll), "lr": 7e-4 * min(step / 200, (200 / step) ** 0.5),
@@ -29,7 +29,7 @@ def train_record(step: int, minutes: float) -> dict:
 
 
 def valid_record(step: int, minutes: float, bleu: float | None) -> dict:
-    """A `kind: valid` record with the keys of Trainer._validate."""
+    """A `kind: valid` record with the keys of RunLog.valid (nmt/train/log.py)."""
     record = {"kind": "valid", "step": step, "epoch": 1, "valid_loss": 4.0 - step / 1000,
               "valid_nll": 3.5 - step / 1000, "valid_ppl": math.exp(3.5 - step / 1000),
               "wall_time": 1.7e9 + minutes * 60, "elapsed_minutes": minutes}

@@ -42,6 +42,17 @@ class BestTracker:
         """Patience used up: stop training."""
         return self.patience > 0 and self.stale >= self.patience
 
+    def stop_note(self, step: int, before: bool = False) -> str:
+        """What to say when patience runs out at update `step`, or (`before`) ran out in
+        the run this one resumes."""
+        if before:
+            return (f"early stop at update {step} reached before (--patience "
+                    f"{self.patience}: best {self.metric} at update {self.best_step}); "
+                    "nothing to train")
+        return (f"early stop at update {step}: {self.stale} validations without a better "
+                f"{self.metric} (best {self.best:.4f} at update {self.best_step}; "
+                f"--patience {self.patience})")
+
     def state_dict(self) -> dict[str, Any]:
         """Plain values for the checkpoint."""
         return asdict(self)

@@ -1,9 +1,11 @@
 """Training logs: RUN/train_log.jsonl (every metric) and progress through a reporter.
 
-The trainer tells a `TrainReporter` where it starts, every update, every log record and
-every one-off message; how that is shown is the caller's: `PlainReporter` writes one line
-per `--log-interval` updates to stderr (logs, pipes, library use); the CLI draws a rich
-bar on a terminal (cli/progress.py). Only rank 0 reports; nothing goes to stdout.
+The trainer writes through a `RunLog`: the records of its log windows and validations go
+to the file, and it tells a `TrainReporter` where it starts, every update, every log
+record and every one-off message; how that is shown is the caller's: `PlainReporter`
+writes one line per `--log-interval` updates to stderr (logs, pipes, library use); the CLI
+draws a rich bar on a terminal (cli/progress.py). Only rank 0 reports; nothing goes to
+stdout.
 """
 
 from __future__ import annotations
@@ -15,9 +17,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
+from nmt.data.batch_tokens import Batching, fill_note
 from nmt.fileio import atomic_output
+from nmt.train.best import BestTracker
+
+if TYPE_CHECKING:
+    import torch
+
+    from nmt.config import TrainConfig
+    from nmt.data.batching import Batches
 
 
 @dataclass
@@ -62,6 +72,82 @@ class LogWindow:
             "target_tokens_per_update": round(self.update_tgt_tokens / self.updates),
             **rest,
         }
+
+
+class RunLog:
+    """Rank 0's record log and progress reporter as the trainer uses them; on the other
+    ranks (both None) every call does nothing, so the loop need not ask which rank it is."""
+
+    def __init__(self, records: RecordLog | None = None,
+                 reporter: TrainReporter | None = None) -> None:
+        self.records, self.reporter = records, reporter
+
+    def say(self, text: str) -> None:
+        """A one-off line through the reporter."""
+        if self.reporter is not None:
+            self.reporter.message(text)
+
+    def start(self, total: int, done: int, budget_s: float, elapsed_s: float) -> None:
+        """Training goes from update `done` to `total` (see TrainReporter.start)."""
+        if self.reporter is not None:
+            self.reporter.start(total, done, budget_s, elapsed_s)
+
+    def advance(self, step: int, elapsed_s: float) -> None:
+        """Update `step` is done."""
+        if self.reporter is not None:
+            self.reporter.advance(step, elapsed_s)
+
+    def train(self, window: LogWindow, scaler: torch.amp.GradScaler, elapsed: float,
+              **fields: Any) -> None:
+        """The train record of `window` (none for an empty one): `fields` as
+        `LogWindow.record` takes them, then fp16's loss scale and the clock. The scale is
+        read here, on rank 0 alone: reading it waits for the device."""
+        if self.records is None or window.tokens == 0:
+            return
+        record = window.record(
+            **fields, loss_scale=scaler.get_scale() if scaler.is_enabled() else None,
+            wall_time=time.time(), elapsed_minutes=elapsed / 60)
+        self.records.write(record)
+        if self.reporter is not None:
+            self.reporter.update(record)
+
+    def valid(self, step: int, epoch: int, metrics: dict[str, float], best: BestTracker,
+              improved: bool, elapsed: float) -> None:
+        """A valid record and its line (`best`: the tracker after this validation)."""
+        if self.records is None:
+            return
+        self.records.write({"kind": "valid", "step": step, "epoch": epoch,
+                            **{f"valid_{k}": v for k, v in metrics.items()},
+                            "best": best.best, "best_step": best.best_step,
+                            "wall_time": time.time(), "elapsed_minutes": elapsed / 60})
+        text = " | ".join(f"{k} {v:.3f}" for k, v in metrics.items())
+        mark = " (best so far)" if improved else \
+            f" (best {best.best:.3f} at update {best.best_step})"
+        self.say(f"valid at update {step}: {text}{mark}")
+
+    def close(self) -> None:
+        """Training ended: the reporter stops, the log is closed."""
+        if self.reporter is not None:
+            self.reporter.close()
+        if self.records is not None:
+            self.records.close()
+
+
+def start_line(cfg: TrainConfig, batching: Batching, world_size: int, pairs: int,
+               batches: Batches, weighted: bool, precision: str, device: str,
+               slow: str | None, step: int) -> str:
+    """The run's first line: its data (`batches`: the first epoch's), the batch of an
+    update, the precision (`slow`: why it is slow on this device) and a resumed `step`."""
+    return (f"{pairs} training pairs"
+            + (" (corpora sampled by weight each epoch)" if weighted else "")
+            + f" in {len(batches.batches)} batches ({batches.skipped} longer than "
+            f"--max-len {cfg.max_len} skipped); {world_size} process(es) x max-tokens "
+            f"{batching.micro_tokens} x update-freq {batching.update_freq}"
+            + (f" (derived from --batch-tokens {cfg.batch_tokens} real tokens per side: "
+               f"{fill_note(batching, world_size)})" if cfg.batch_tokens else "")
+            + f"; precision {precision} on {device}"
+            + (f" (slow: {slow})" if slow else "")
+            + (f"; resuming from update {step}" if step else ""))
 
 
 def warner(progress: TrainReporter | None) -> Callable[[str], None]:

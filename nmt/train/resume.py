@@ -16,31 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from nmt.checkpoint import load_checkpoint, model_state
 from nmt.config import ModelConfig, TrainConfig
 from nmt.data.batch_tokens import Batching, fill_note
 from nmt.errors import CheckpointError, DistributedError, NmtError
-from nmt.train.best import BestTracker
 from nmt.train.distributed import DistEnv, broadcast_object, gather_objects
 from nmt.train.ema import WeightAverage
 from nmt.train.init_from import check_init_from
 from nmt.train.schedule import load_optimizer_state
-from nmt.train.state import LAST, DataState, restore_training
-
-
-@dataclass
-class Training:
-    """What the model, optimizer and friends of one run are: restored in place."""
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    schedule: Any
-    scaler: torch.amp.GradScaler
-    device: torch.device
-    ema: WeightAverage | None
-    best: BestTracker
+from nmt.train.state import LAST, DataState, Training, restore_training
 
 
 @dataclass

@@ -57,6 +57,7 @@ class EpochBatches:
         self.weighted = all(r.weight is not None for r in ranges) and len(ranges) > 1
         self.max_tokens, self.max_len, self.seed = max_tokens, max_len, seed
         self._cache: tuple[int, Batches] | None = None
+        self._sizes: dict[int, int] = {}  # epoch -> its number of batches (at least 1)
         self._fixed = None if self.weighted else batch_by_tokens(src_lens, tgt_lens,
                                                                  max_tokens, max_len)
 
@@ -71,3 +72,10 @@ class EpochBatches:
             batches = Batches([pairs[b] for b in local.batches], local.skipped)
             self._cache = (epoch, batches)
         return self._cache[1]
+
+    def size(self, epoch: int) -> int:
+        """Number of batches of `epoch` (at least 1), remembered: asking about an epoch
+        the feed has read past must not draw and batch it again."""
+        if epoch not in self._sizes:
+            self._sizes[epoch] = max(len(self.get(epoch).batches), 1)
+        return self._sizes[epoch]

@@ -187,6 +187,20 @@ SCHEDULES: dict[str, Callable[[torch.optim.Optimizer, int, TrainConfig], Schedul
 }
 
 
+def budget_progress(cfg: TrainConfig, updates: int, elapsed: float, epoch: int, index: int,
+                    epoch_size: Callable[[int], int]) -> float:
+    """How much of the budget has passed after `updates` updates, `elapsed` seconds in,
+    `index` batches into `epoch` (of `epoch_size(epoch)`): the largest share of
+    --max-updates, --max-minutes and --max-epochs (those set), at most 1."""
+    shares = [updates / cfg.max_updates]
+    if cfg.max_minutes > 0:
+        shares.append(elapsed / (cfg.max_minutes * 60))
+    if cfg.max_epochs > 0:
+        within = index / epoch_size(epoch) if index else 0.0
+        shares.append((epoch - 1 + within) / cfg.max_epochs)
+    return min(max(shares), 1.0)
+
+
 def describe_schedule(cfg: TrainConfig, d_model: int) -> str:
     """The start-up line's words for the schedule and the budget it follows, e.g.
     "lr schedule linear: warm-up 400 updates to 1.25e-03, then down to 0 at the end of

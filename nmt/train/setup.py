@@ -1,6 +1,7 @@
 """What a training run is built from, before its first update: the process and device,
-the checked model config, the model with its optimizer, schedule, precision and scaler,
-and the logs. Functions of their inputs, so the loop (nmt/train/loop.py) only orders them.
+the checked model config, the data's splits and batches, the model with its optimizer,
+schedule, precision and scaler, and the logs. Functions of their inputs, so the loop
+(nmt/train/loop.py) only orders them.
 """
 
 from __future__ import annotations
@@ -15,13 +16,22 @@ import numpy as np
 import torch
 
 from nmt.config import ModelConfig, TrainConfig
+from nmt.data.dataset import ParallelData, corpus_ranges, read_meta
 from nmt.device import allow_tf32, resolve_device, set_cuda_allocator_default
 from nmt.errors import UsageError
 from nmt.host_memory import TRAIN_ONEDNN_CACHE, keep_freed_memory, size_onednn_cache
 from nmt.model.transformer import Transformer
 from nmt.precision import grad_scaler, resolve_precision
 from nmt.train.distributed import DistEnv, init_distributed
-from nmt.train.log import JsonlLog, PlainReporter, RecordLog, TrainReporter, warner
+from nmt.train.log import (
+    JsonlLog,
+    PlainReporter,
+    RecordLog,
+    RunLog,
+    TrainReporter,
+    warner,
+)
+from nmt.train.sampling import EpochBatches
 from nmt.train.schedule import Schedule, build_optimizer, build_schedule
 from nmt.train.step import defer_statistics
 from nmt.train.tensorboard import TeeLog, TensorBoardLog
@@ -55,6 +65,28 @@ def checked_model_config(model_cfg: ModelConfig, cfg: TrainConfig, vocab_size: i
         raise UsageError(f"--max-tokens {cfg.max_tokens} is below --max-len "
                          f"{cfg.max_len}: long pairs would never fit a batch")
     return model_cfg
+
+
+def open_valid(data_dir: Path) -> ParallelData | None:
+    """The valid split; None when none was binarized (validation is then skipped, as the
+    start says). One that is there but unreadable is a DataError, not skipped."""
+    if "valid" not in read_meta(data_dir)["splits"]:
+        return None
+    return ParallelData.open(data_dir, "valid")
+
+
+def epoch_batches(data_dir: Path, data: ParallelData, micro_tokens: int, cfg: TrainConfig,
+                  world_size: int, epoch: int) -> EpochBatches:
+    """Each epoch's batch list (shuffled per epoch by `epoch_order`): one fixed list, or a
+    per-epoch draw when the data's corpora carry sampling weights. Every process needs a
+    batch of `epoch`, the one training starts in (UsageError)."""
+    batches = EpochBatches(data.src.lengths, data.tgt.lengths, corpus_ranges(data_dir),
+                           micro_tokens, cfg.max_len, cfg.seed)
+    count = len(batches.get(epoch).batches)
+    if count < world_size:
+        raise UsageError(f"{data_dir}: only {count} training batches "
+                         f"for {world_size} processes; lower --max-tokens")
+    return batches
 
 
 @dataclass
@@ -95,8 +127,7 @@ def seed_everything(seed: int) -> None:
 
 
 def open_logs(run_dir: Path, step: int, progress: bool | TrainReporter,
-              tensorboard: Path | None, settings: dict[str, Any]
-              ) -> tuple[RecordLog, TrainReporter | None]:
+              tensorboard: Path | None, settings: dict[str, Any]) -> RunLog:
     """Rank 0's log (RUN/train_log.jsonl, and TensorBoard events in `tensorboard` with
     `settings` as text) and progress reporter (True: plain lines; False: none). A resumed
     run (`step` > 0) drops the records of updates it will redo, so each is logged once.
@@ -109,4 +140,4 @@ def open_logs(run_dir: Path, step: int, progress: bool | TrainReporter,
     log: RecordLog = JsonlLog(run_dir / "train_log.jsonl", resume_step=step, warn=warn)
     if tensorboard is not None:
         log = TeeLog(log, TensorBoardLog(tensorboard, settings, resume_step=step, warn=warn))
-    return log, reporter
+    return RunLog(log, reporter)

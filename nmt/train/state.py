@@ -1,4 +1,4 @@
-"""Training checkpoints: build the payload, restore from it, capture and restore RNG state.
+"""Training checkpoints: build, write and restore them; capture and restore RNG state.
 
 Everything is stored as tensors, ints, floats, strings, lists and dicts so that
 `torch.load(weights_only=True)` reads it back: the python `random` state becomes a list,
@@ -33,7 +33,23 @@ import torch
 from nmt.checkpoint import BEST, LAST, model_payload, save_checkpoint, stored_step
 from nmt.errors import CheckpointError
 from nmt.fileio import atomic_output, atomic_write_bytes, remove_stale_temps
+from nmt.train.best import BestTracker
+from nmt.train.distributed import DistEnv, gather_objects
+from nmt.train.ema import WeightAverage
 from nmt.train.schedule import load_optimizer_state
+
+
+@dataclass
+class Training:
+    """What the model, optimizer and friends of one run are: restored in place, saved."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: Any
+    scaler: torch.amp.GradScaler
+    device: torch.device
+    ema: WeightAverage | None
+    best: BestTracker
 
 
 @dataclass
@@ -92,6 +108,42 @@ def build_payload(*, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         meta=meta, optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(),
         scaler=scaler.state_dict(), rng=rng, data_state=data_state.to_dict(),
         train_config=train_config, elapsed_seconds=float(elapsed_seconds))
+
+
+def save_training(env: DistEnv, run_dir: Path, training: Training, *, step: int,
+                  data_state: DataState, rng: dict[str, Any] | None, model_config: dict,
+                  train_config: dict, vocab: bytes, meta: dict[str, Any],
+                  elapsed_seconds: float, keep_last: int, resume_only: bool = False
+                  ) -> Path | None:
+    """Save a training checkpoint, every rank's RNG gathered to rank 0 (a collective: all
+    ranks call it); rank 0 writes it and returns its path, numbered (and
+    checkpoint_last.pt) or, `resume_only`, checkpoint_last.pt alone. `rng`: this rank's
+    state to record (one captured before a dropout that already ran), None: the current."""
+    rngs = gather_objects(env, rng if rng is not None else capture_rng(training.device))
+    if not env.is_main:
+        return None
+    payload = build_payload(
+        model=training.model, optimizer=training.optimizer, scheduler=training.schedule,
+        scaler=training.scaler, step=step, data_state=data_state, rng=rngs,
+        model_config=model_config, train_config=train_config, vocab=vocab, meta=meta,
+        elapsed_seconds=elapsed_seconds)
+    payload["best"] = training.best.state_dict()
+    if training.ema is not None:
+        payload["ema"] = training.ema.state_dict()
+    if resume_only:
+        return write_resume_point(payload, run_dir)
+    return write_checkpoint(payload, run_dir, keep_last)
+
+
+def write_best(run_dir: Path, training: Training, *, step: int, score: float,
+               model_config: dict, vocab: bytes, meta: dict[str, Any]) -> None:
+    """RUN/checkpoint_best.pt, atomically: the weights in the model now (the averaged ones
+    while validating with EMA), a model file for translate, average or --init-from
+    (training resumes from checkpoint_last)."""
+    best = {"metric": training.best.metric, "score": score, "ema": training.ema is not None}
+    payload = model_payload(step=step, model_config=model_config, vocab=vocab,
+                            model=training.model.state_dict(), meta={**meta, "best": best})
+    save_checkpoint(payload, Path(run_dir) / BEST)
 
 
 def write_checkpoint(payload: dict[str, Any], run_dir: Path, keep_last: int) -> Path:

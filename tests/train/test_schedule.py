@@ -160,3 +160,18 @@ def test_budget_settings_out_of_range_are_usage_errors(field, value):
 
     with pytest.raises(UsageError, match=field.replace("_", "-")):
         TrainConfig(**{field: value})
+
+
+def test_budget_progress_is_the_largest_share_of_the_limits_set():
+    """Updates, minutes and epochs each give a share of the budget; the schedules follow
+    the largest, at most 1; an epoch's share counts the batches done within it."""
+    from nmt.train.schedule import budget_progress
+
+    def size(epoch):
+        return 10
+
+    assert budget_progress(TrainConfig(max_updates=100), 25, 9e9, 1, 0, size) == 0.25
+    cfg = TrainConfig(max_updates=100, max_minutes=10, max_epochs=4)
+    assert budget_progress(cfg, 10, 180.0, 1, 5, size) == pytest.approx(0.3)  # minutes
+    assert budget_progress(cfg, 10, 60.0, 2, 5, size) == pytest.approx(1.5 / 4)  # epochs
+    assert budget_progress(cfg, 300, 60.0, 1, 0, size) == 1.0

@@ -11,7 +11,8 @@ import torch
 from helpers.data import make_copy_data
 
 from nmt.config import TrainConfig, model_preset
-from nmt.train.log import JsonlLog, read_jsonl
+from nmt.train.best import BestTracker
+from nmt.train.log import JsonlLog, LogWindow, PlainReporter, RunLog, read_jsonl
 from nmt.train.loop import train
 
 
@@ -30,6 +31,28 @@ def test_reopen_for_resume_drops_redone_updates_and_torn_line(tmp_path):
     records = _records(path)
     assert [(r["kind"], r["step"]) for r in records] == [
         ("train", 1), ("train", 2), ("train", 3), ("train", 4), ("valid", 4), ("train", 5)]
+
+
+def test_run_log_writes_on_rank_zero_and_does_nothing_elsewhere(tmp_path, capsys):
+    """The trainer writes through a RunLog: records and lines on rank 0; on the other
+    ranks (no log, no reporter) every call is a no-op."""
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    window = LogWindow()
+    window.add(True, 20.0, 18.0, 10, 25)
+    best = BestTracker()
+    best.observe({"loss": 2.5}, 3)
+    for out in (RunLog(), RunLog(JsonlLog(tmp_path / "log.jsonl"), PlainReporter())):
+        out.say("hello")
+        out.train(window, scaler, 60.0, step=3, epoch=1, lr=0.1, progress=0.5,
+                  grad_norm=1.0)
+        out.valid(3, 1, {"loss": 2.5}, best, True, 60.0)
+        out.close()
+    train, valid = read_jsonl(tmp_path / "log.jsonl")
+    assert (train["kind"], train["loss"], train["loss_scale"], train["elapsed_minutes"]) \
+        == ("train", 2.0, None, 1.0)
+    assert (valid["valid_loss"], valid["best"], valid["best_step"]) == (2.5, 2.5, 3)
+    err = capsys.readouterr().err
+    assert err.count("hello") == 1 and "valid at update 3: loss 2.500 (best so far)" in err
 
 
 def test_fresh_open_keeps_an_existing_log_untouched_without_resume_step(tmp_path):
