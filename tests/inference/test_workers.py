@@ -63,6 +63,7 @@ def test_any_number_of_workers_writes_the_same_bytes(tiny_checkpoint: Path, line
     assert reference.count(b"\n") == len(lines)
 
 
+@pytest.mark.slow  # forked workers; the fast loop keeps the byte-identity test above
 @pytest.mark.parametrize("settings", [dict(nbest=2), dict(sampling=True, nbest=2)])
 def test_nbest_and_seeded_sampling_do_not_depend_on_the_workers(
         tiny_checkpoint: Path, lines: list[str], settings: dict) -> None:
@@ -75,6 +76,7 @@ def test_nbest_and_seeded_sampling_do_not_depend_on_the_workers(
     assert outputs[0] == outputs[1] and outputs[0].count(b"\n") == 120 * 2
 
 
+@pytest.mark.slow  # forked workers
 def test_the_api_spreads_calls_and_threads_over_the_workers(tiny_checkpoint: Path, lines: list[str]
                                                             ) -> None:
     text = [line for line in lines[:90] if line]
@@ -116,7 +118,7 @@ def boom_ckpt(tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> Iterato
     yield boom
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_batch_that_raises_loses_and_reorders_no_line(tiny_checkpoint: Path, lines: list[str],
                                                          reference: bytes, boom_ckpt: list[int],
                                                          workers: int) -> None:
@@ -165,6 +167,7 @@ def _state(pid: int) -> str:
         return "Z"
 
 
+@pytest.mark.slow  # fault injection into a forked worker
 def test_a_killed_worker_fails_its_buffer_and_keeps_the_lines_before(
         tiny_checkpoint: Path, lines: list[str], reference: bytes, monkeypatch: pytest.MonkeyPatch
 ) -> None:
