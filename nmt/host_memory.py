@@ -1,24 +1,13 @@
 """Keep freed host memory inside the process while training or translating on CPU.
 
-glibc's malloc serves every block above its mmap threshold (at most 32 MiB) with a fresh
-mmap and gives it back with munmap on free. A training step allocates and frees the same
-large tensors every update (the (rows, vocab) logits and their gradient are ~80 MB at
-max-tokens 2048 and a 10k vocabulary), so each one is page-faulted in from scratch, every
-step: measured on this project's CPU, a 2000 x 10000 fp32 subtraction costs 57 ms with
-fresh pages and 8 ms with reused ones. Switching mmap off and raising the trim threshold
-makes freed blocks stay in the heap for the next step (whole-step gain about 8-13% for
-`small` on 1 thread). Beam search on CPU allocates (rows, d_ff) and (rows, 3 d_model)
-activations of a few MB per layer per step: the same setting saves about 3% of
-`nmt translate`'s CPU time (bench/translate_speed.py, Multi30k `small`).
-
-The price is memory: the setting is process-wide and nothing freed is given back. In
-training the larger share was oneDNN's primitive cache: bf16 matmuls on CPU go through
-oneDNN, which compiles one primitive per distinct shape and keeps up to 1024 of them, and
-token-count batching produces a new (rows, d) shape almost every update. Measured on
-`small`, Multi30k, 2 threads, bf16, 600 updates: peak RSS 4.31 GB with the default cache,
-2.38 GB with `size_onednn_cache(TRAIN_ONEDNN_CACHE)` (64 primitives), at equal speed (3.96
-vs 4.05 updates/s); without keep_freed_memory 3.07 GB at 3.18 updates/s. Periodic malloc_trim
-did not lower the peak (4.30 GB) and cost 8% of the speed, so it is not used.
+glibc's malloc serves every block above its mmap threshold with a fresh mmap and gives it
+back on free, so the large tensors a training step or a beam-search step allocates and
+frees again (logits, activations) would be page-faulted in from scratch every time.
+Switching mmap off and raising the trim threshold keeps freed blocks in the heap for the
+next step. The price is memory: the setting is process-wide and nothing freed is given
+back, so oneDNN's per-shape primitive cache (bf16 matmuls meet a new row count almost
+every update) is sized down for training and up for long-running translators. The
+measurements behind each setting: docs/performance.md ("Host memory").
 """
 
 from __future__ import annotations

@@ -7,16 +7,13 @@ uint8 with one scale and zero point for the whole tensor (`quantized::linear_dyn
 min/max, quantize, int8 GEMM with int32 accumulation, rescale, bias, all in one C++ call;
 the output is float32). Everything else (attention, LayerNorm, softmax) stays float32.
 
-Two kernels, picked per call by the size of the output (measured on this project's CPU,
-an AMD EPYC with AVX-512 VNNI, one thread, decoder shapes 256 -> 768 / 256 / 1024 / 8000
-and 1024 -> 256 at 4..1024 rows; `bench/int8_kernels.py`): FBGEMM is the fastest while
-the float32 output is small (4 rows x 256 -> 768: 23 us, oneDNN 39 us, fp32 packed oneDNN
-44 us), oneDNN once it outgrows the core's L2 cache (256 rows x 256 -> 8000: 4.8 ms,
-FBGEMM 20 ms, fp32 16 ms). Both have AVX2 kernels (vpmaddubsw) and AVX-512 / VNNI ones;
-both are in every x86 torch wheel. Without VNNI the u8 x s8 pair sums of vpmaddubsw can
-saturate int16, so activations then use 7 bits (`reduce_range`), as torch's own dynamic
-quantization does on such CPUs (also when FBGEMM_ENABLE_INSTRUCTIONS or ONEDNN_MAX_CPU_ISA
-caps the kernels at AVX2 on a VNNI machine).
+Two kernels, picked per call by the size of the output: FBGEMM is the fastest while the
+float32 output is small, oneDNN once it outgrows the core's L2 cache (the figures:
+docs/performance.md, "int8 kernels"). Both have AVX2 kernels (vpmaddubsw) and AVX-512 /
+VNNI ones; both are in every x86 torch wheel. Without VNNI the u8 x s8 pair sums of
+vpmaddubsw can saturate int16, so activations then use 7 bits (`reduce_range`), as torch's
+own dynamic quantization does on such CPUs (also when FBGEMM_ENABLE_INSTRUCTIONS or
+ONEDNN_MAX_CPU_ISA caps the kernels at AVX2 on a VNNI machine).
 
 The output projection (the shared embedding matrix, vocab x d_model) is int8 too unless
 `NMT_INT8_OUTPUT=0`, which keeps it in float32 (packed for oneDNN as in
