@@ -103,7 +103,7 @@ def multi30k_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     data = write_text_data(work / "data", {"train": list(zip(en, de, strict=True)),
                                            "valid": list(zip(en[:50], de[:50], strict=True))},
                            vocab_size=1000)
-    cfg = TrainConfig(max_updates=400, max_tokens=2048, warmup=150, lr_scale=2.0,
+    cfg = TrainConfig(max_updates=600, max_tokens=2048, warmup=150, lr_scale=2.0,
                       max_len=64, log_interval=100, valid_interval=10_000,
                       save_interval_minutes=0, seed=1)
     return train_one_thread(data, work / "run", model_preset("tiny", dropout=0.1), cfg)

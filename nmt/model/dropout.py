@@ -1,18 +1,22 @@
 """Dropout for every layer of the model, with a cheaper mask on CPU.
 
-`F.dropout` draws its CPU mask with `bernoulli_`, which took 11% of a `small` Multi30k
-training step on this project's CPU (2.2 ms per (2048, 256) mask, 17 masks per update).
-Comparing uniform draws with p gives the same Bernoulli(1 - p) keep mask for half the cost
-(1.25 ms); a whole update ran 7% faster (3.83 -> 4.09 updates/s, bf16, 2 threads).
-Inverted scaling as in F.dropout: kept values are multiplied by 1 / (1 - p), so nothing
-changes at inference. Other devices use F.dropout (a fused kernel on GPU).
+On a CPU, drawing the mask is the costly part of dropout: `F.dropout` draws a float per
+element with `bernoulli_`. Here each 64-bit draw of torch's generator is cut into four
+16-bit uniforms and compared with p rounded to 1/65536, which is 3x cheaper than one float
+per element (figures: docs/training.md, "Training speed on a CPU"). Inverted scaling as in
+F.dropout, by the rounded p, so the expectation is exact and inference needs nothing. Other
+devices use F.dropout (a fused kernel on GPU).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+_LEVELS = 1 << 16  # 16-bit uniforms: p is rounded to a multiple of 1/65536
 
 
 def dropout(x: Tensor, p: float, training: bool) -> Tensor:
@@ -22,7 +26,22 @@ def dropout(x: Tensor, p: float, training: bool) -> Tensor:
         return x
     if x.device.type != "cpu" or p >= 1.0:
         return F.dropout(x, p, training)
-    # Uniforms drawn in float32 whatever x's dtype: a bf16 draw would round near p.
-    keep = torch.rand(x.shape, dtype=torch.float32, device=x.device) >= p
-    scale = keep.to(x.dtype).mul_(1.0 / (1.0 - p))  # 0 or 1 / (1 - p), outside autograd
+    keep, kept = keep_mask(x.shape, p, x.device)
+    scale = keep.to(x.dtype).mul_(1.0 / kept)  # 0 or 1 / (1 - p), outside autograd
     return x * scale
+
+
+def keep_mask(shape: torch.Size, p: float, device: torch.device) -> tuple[Tensor, float]:
+    """A bool mask of `shape`, each element True with probability 1 - p (p rounded to a
+    multiple of 1/65536, or drawn as float32 where that rounding would reach 0 or 1),
+    and that keep probability."""
+    threshold = round(p * _LEVELS)
+    if not 0 < threshold < _LEVELS:
+        return torch.rand(shape, dtype=torch.float32, device=device) >= p, 1.0 - p
+    n = math.prod(shape)
+    # Full-range 64-bit draws (the default range leaves the top bit 0), viewed as four
+    # int16 lanes each: (ceil(n / 4),) int64 -> (4 * ceil(n / 4),) int16 -> shape.
+    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device)
+    lanes = words.random_(-(1 << 63), None).view(torch.int16)[:n].view(shape)
+    keep = lanes >= threshold - _LEVELS // 2  # P = 1 - threshold / 65536
+    return keep, 1.0 - threshold / _LEVELS

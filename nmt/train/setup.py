@@ -110,8 +110,7 @@ def build_model(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
     model = Transformer(model_cfg).to(device)
     seed_everything(cfg.seed + rank)
     deferred = defer_statistics(device)
-    optimizer = build_optimizer(model.parameters(), cfg, device,
-                                fused=deferred or device.type == "cuda")
+    optimizer = build_optimizer(model.parameters(), cfg, device, fused=True if deferred else None)
     precision = resolve_precision(cfg.precision, device)
     if precision == "fp32":
         allow_tf32(device)

@@ -143,7 +143,7 @@ def defer_statistics(device: torch.device) -> bool:
     """Whether the Trainer reads each update's statistics one update late, with the
     optimizer's skip decided on the device (nmt/train/loop.py `Trainer._train_deferred`):
     on CUDA, where waiting for the numbers would idle the GPU between updates. On a CPU
-    the work is synchronous anyway and the in-line path keeps its foreach Adam.
+    the work is synchronous anyway, so the in-line path reads them at once.
     NMT_DEFER_STATS=1 or 0 forces the choice (the tests run the CUDA path on CPU processes
     this way)."""
     forced = switch("NMT_DEFER_STATS")

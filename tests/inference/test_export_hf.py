@@ -52,7 +52,7 @@ def test_directory_loads_with_no_code_of_ours(exported: Path) -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
     assert type(tokenizer).__name__ == "MarianTokenizer"
     card = (exported / "README.md").read_text(encoding="utf-8")
-    assert "400 updates" in card and "length ** alpha" in card
+    assert "600 updates" in card and "length ** alpha" in card
 
 
 def test_tokenizer_ids_equal_nmts(exported: Path, multi30k_model: Path,

@@ -134,7 +134,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple:
 
     work = tmp_path_factory.mktemp("int8")
     data = make_copy_data(work / "data", n_train=1500, n_valid=120, max_len=8)
-    cfg = TrainConfig(max_updates=600, max_tokens=1024, warmup=150, lr_scale=2.0,
+    cfg = TrainConfig(max_updates=900, max_tokens=1024, warmup=150, lr_scale=2.0,
                       max_len=64, log_interval=100, valid_interval=10_000,
                       save_interval_minutes=0, seed=1)
     checkpoint = train_one_thread(data, work / "run", model_preset("tiny", dropout=0.0), cfg)

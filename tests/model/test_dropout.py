@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nmt.model.dropout import dropout
+from nmt.model.dropout import dropout, keep_mask
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -45,3 +45,29 @@ def test_seeded_masks_repeat() -> None:
     torch.manual_seed(3)
     b = dropout(x, 0.1, True)
     assert torch.equal(a, b)
+
+
+def test_each_16_bit_lane_drops_at_p() -> None:
+    """Four elements share one 64-bit draw; a draw whose top bit is always 0 (torch's
+    default random_ range) would make every fourth element's drop rate 0."""
+    torch.manual_seed(4)
+    keep, kept = keep_mask(torch.Size((1000, 400)), 0.1, torch.device("cpu"))
+    assert kept == pytest.approx(1 - 6554 / 65536)
+    lanes = (~keep).reshape(-1, 4).float().mean(0)  # (4,) drop rate per lane
+    torch.testing.assert_close(lanes, torch.full((4,), 0.1), atol=0.004, rtol=0)
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (1,), (2, 3, 7)])
+def test_sizes_that_are_not_a_multiple_of_four(shape: tuple[int, ...]) -> None:
+    keep, _ = keep_mask(torch.Size(shape), 0.5, torch.device("cpu"))
+    assert keep.shape == shape and keep.dtype == torch.bool
+
+
+@pytest.mark.parametrize("p", [1e-6, 0.999999])
+def test_p_beyond_16_bits_falls_back_to_float_draws(p: float) -> None:
+    torch.manual_seed(5)
+    keep, kept = keep_mask(torch.Size((1000, 100)), p, torch.device("cpu"))
+    assert kept == pytest.approx(1 - p)
+    assert (~keep).float().mean().item() == pytest.approx(p, abs=0.002)
+    y = dropout(torch.ones(1000, 100), p, training=True)
+    assert bool(torch.isfinite(y).all())

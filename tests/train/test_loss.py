@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers.models import tiny_model_batch
 
+from nmt.train import loss as loss_module
 from nmt.train.loss import label_smoothed_nll, smoothed_cross_entropy, target_positions
 
 pytestmark = pytest.mark.isa  # kernel numerics: CI runs these again at AVX2
@@ -77,6 +78,42 @@ def test_fused_loss_and_gradient_match_log_softmax_reference(eps):
     assert torch.allclose(nll.double(), ref_nll, rtol=1e-6)
     assert torch.allclose(ours_in.grad, ref_in.grad, atol=1e-6)
     assert ours_in.grad[2, 1:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_cpu_row_blocks_give_each_row_the_same_numbers(monkeypatch, dtype, eps):
+    """Blocks of 3 rows (a 7-row remainder, a block of PAD rows): loss, NLL and every
+    gradient element as the log_softmax reference, and bit-equal to one block."""
+    gen = torch.Generator().manual_seed(1)
+    base = (torch.randn(4, 10, 37, generator=gen) * 3).to(dtype)
+    target = torch.randint(1, 37, (4, 10), generator=gen)
+    target[1, 4:] = 0
+    target[3, :] = 0
+
+    def run(block_bytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        monkeypatch.setattr(loss_module, "CPU_BLOCK_BYTES", block_bytes)
+        x = base.clone().requires_grad_(True)
+        loss, nll = label_smoothed_nll(x, target, eps, pad_id=0)
+        (loss * 0.3).backward()
+        return loss, nll, x.grad
+
+    assert len(loss_module._blocks(torch.empty(40, 37))) == 1
+    one_loss, one_nll, one_grad = run(1 << 20)
+    monkeypatch.setattr(loss_module, "CPU_BLOCK_BYTES", 3 * 4 * 37)
+    assert [b.stop - b.start for b in loss_module._blocks(torch.empty(40, 37))] == [3] * 13 + [1]
+    loss, nll, grad = run(3 * 4 * 37)
+    assert grad.dtype == dtype and torch.equal(grad, one_grad)
+    torch.testing.assert_close(loss, one_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(nll, one_nll, rtol=1e-6, atol=0)
+    ref_in = base.double().requires_grad_(True)
+    ref_loss, ref_nll = _reference(ref_in, target, eps, 0)
+    (ref_loss * 0.3).backward()
+    assert torch.allclose(loss.double(), ref_loss, rtol=1e-5)
+    assert torch.allclose(nll.double(), ref_nll, rtol=1e-5)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(grad.double(), ref_in.grad, atol=tol, rtol=tol)
+    assert grad[3].abs().sum() == 0 and grad[1, 4:].abs().sum() == 0
 
 
 def test_gradcheck_on_rows():
