@@ -88,7 +88,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         # in fp32 and written once in the logits' dtype (a fresh buffer: lprobs is kept,
         # backward may run again).
         scale = grad_loss if weight is None else grad_loss * weight[:, None]  # () or (N, 1)
-        gold_scale = (scale * -gold).expand(target.size(0), 1)  # (N, 1)
+        gold_scale = (scale * -gold).to(lprobs.dtype).expand(target.size(0), 1)  # (N, 1)
         grad = torch.empty(lprobs.shape, dtype=ctx.logits_dtype, device=lprobs.device)
         same = grad.dtype == lprobs.dtype  # fp32 logits: work in grad itself, no copy
         for rows in _blocks(lprobs):
@@ -98,7 +98,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
             block.mul_(block_scale)
             if eps_i:
                 block.sub_(block_scale * eps_i)
-            block.scatter_add_(-1, target[rows, None], gold_scale[rows].to(block.dtype))
+            block.scatter_add_(-1, target[rows, None], gold_scale[rows])
             if not same:
                 grad[rows] = block
         # The NLL output is a detached statistic; its gradient (always zero here) is ignored.
