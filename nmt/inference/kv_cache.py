@@ -10,8 +10,9 @@ the cross-attention K/V, and their self-attention K/V live in g slots of preallo
 per-group buffers, written in place one position per step. A reorder within the groups
 (beam search's per-step reordering) copies no key or value: it only permutes a small
 ancestry table (which slot holds each row's key at each position) that becomes the
-attention mask (`slot_mask`). Whole groups are copied only when sentences leave (shrink)
-or the layout changes; using a state after `reorder` consumed it raises.
+attention mask (`slot_mask`: additive, built once per step for every layer). Whole groups
+are copied only when sentences leave (shrink) or the layout changes; using a state after
+`reorder` consumed it raises.
 
 Host syncs: finding the layout of an arbitrary order means reading it back (two reads), so
 a caller that knows it (beam search always does) says so with a `Regroup` and the reorder
@@ -70,7 +71,7 @@ class GroupedCache:
     cross_k: list[Tensor]  # per layer (groups, heads, d_k, src_len): keys transposed
     cross_v: list[Tensor]  # per layer (groups, heads, src_len, d_v)
     padding_mask: Tensor  # (groups, src_len) True at PAD
-    cross_mask: Tensor | None  # (groups, 1, 1, src_len) True = attend; None: no padding
+    cross_mask: Tensor | None  # (groups, 1, 1, src_len) additive: 0 or -inf at PAD; None: no PAD
     self_k: list[Tensor]  # per layer (groups, heads, capacity, g, d_k); from `position` on unused
     self_v: list[Tensor]  # per layer (groups, heads, capacity, g, d_v)
     ancestry: Tensor  # (groups, g, capacity) long: slot holding each row's key per position
@@ -87,11 +88,13 @@ class GroupedCache:
               ) -> GroupedCache:
         """A state of one row (group of size 1) per sentence around the per-layer cross
         keys (n, heads, d_k, src_len: transposed) and values (n, heads, src_len, d_v), with
-        empty self-attention caches of INITIAL_CAPACITY positions (at most `limit`)."""
+        empty self-attention caches of INITIAL_CAPACITY positions (at most `limit`).
+        `cross_mask` (n, 1, 1, src_len) boolean, True = attend, is kept additive."""
         n, capacity = cross_k[0].size(0), min(INITIAL_CAPACITY, limit)
         self_k, self_v = _empty_caches(cross_k, cross_v, n, capacity, 1, k_dim=2)
+        bias = None if cross_mask is None else additive(cross_mask, cross_k[0].dtype)
         return cls(cross_k=cross_k, cross_v=cross_v, padding_mask=padding_mask,
-                   cross_mask=cross_mask, self_k=self_k, self_v=self_v,
+                   cross_mask=bias, self_k=self_k, self_v=self_v,
                    ancestry=torch.zeros(n, 1, capacity, dtype=torch.long,
                                         device=padding_mask.device),
                    limit=limit, attention_layer=attention_layer)
@@ -113,7 +116,7 @@ class GroupedCache:
         position = self.position
         if position == self.capacity:
             self.grow(min(2 * position, self.limit))
-        mask = slot_mask(self, position)  # None, or (groups, 1, g, (t+1)*g)
+        mask = slot_mask(self, position)  # None, or (groups, 1, g, (t+1)*g) additive
         return [_GroupedLayer(self, i, position, mask, live) for i in range(len(self.self_k))]
 
     def reserve(self, positions: int) -> None:
@@ -254,9 +257,11 @@ class _GroupedLayer:
 
 
 def slot_mask(state: GroupedCache, position: int) -> Tensor | None:
-    """Record that each row's key at `position` goes to its own slot, and return the mask
-    (groups, 1, g, (position+1) * g), True where a slot holds the row's own ancestor, that
-    keeps each row to its own history; None when g == 1 (one slot: nothing to mask)."""
+    """Record that each row's key at `position` goes to its own slot, and return the
+    additive mask (groups, 1, g, (position+1) * g), 0 where a slot holds the row's own
+    ancestor and -inf elsewhere, that keeps each row to its own history; None when g == 1
+    (one slot: nothing to mask). In the caches' dtype, built once for every layer's step
+    (a boolean mask would cost each layer a negation and a masked fill)."""
     g = state.group_size
     if g == 1:
         return None
@@ -264,7 +269,14 @@ def slot_mask(state: GroupedCache, position: int) -> Tensor | None:
     state.ancestry[:, :, position] = slots
     ancestry = state.ancestry[:, :, : position + 1]  # (groups, g, t+1)
     mask = ancestry.unsqueeze(-1) == slots  # (groups, g, t+1, g)
-    return mask.flatten(2).unsqueeze(1)  # (groups, 1, g, (t+1)*g)
+    return additive(mask.flatten(2).unsqueeze(1), state.self_v[0].dtype)  # (groups, 1, g, L)
+
+
+def additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A boolean attention mask (True = may attend) as the float one added to the scores:
+    0 where True, -inf where False, in `dtype`."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        mask.logical_not(), float("-inf"))
 
 
 def _empty_caches(like_k: list[Tensor], like_v: list[Tensor], groups: int, cap: int, g: int,

@@ -151,16 +151,26 @@ def masked_scores(q: Tensor, k: Tensor, attn_mask: Tensor | None,
     scores = q @ k.transpose(-1, -2) * q.size(-1) ** -0.5  # (b, heads, t, s)
     if is_causal:
         scores.masked_fill_(_later_keys(*scores.shape[-2:], q.device), float("-inf"))
-    if attn_mask is not None:
-        scores.masked_fill_(attn_mask.logical_not(), float("-inf"))
-    return scores
+    return apply_mask_(scores, attn_mask)
+
+
+def apply_mask_(scores: Tensor, mask: Tensor | None) -> Tensor:
+    """Hide keys in `scores` in place: `mask` None, boolean (True = may attend: the others
+    get -inf) or additive float (0 or -inf, the scores' dtype: added), broadcastable to
+    the scores. An additive mask is built once per step by a cache and shared by every
+    layer (nmt/inference/kv_cache.py); a boolean one costs a negation per call."""
+    if mask is None:
+        return scores
+    if mask.dtype == torch.bool:
+        return scores.masked_fill_(mask.logical_not(), float("-inf"))
+    return scores.add_(mask)
 
 
 def attention_weights(q: Tensor, k: Tensor, attn_mask: Tensor | None, dtype: torch.dtype
                       ) -> Tensor:
     """softmax(q k^T / sqrt(d_k)) written out, for when the weights themselves are wanted
-    (attention plots): q (b, heads, t, d_k), k (b, heads, s, d_k), `attn_mask` None or
-    boolean broadcastable to (b, heads, t, s), True = may attend. Softmax in float32,
+    (attention plots): q (b, heads, t, d_k), k (b, heads, s, d_k), `attn_mask` None,
+    boolean or additive, broadcastable to (b, heads, t, s) (see `apply_mask_`). Softmax in float32,
     returned as `dtype`: (b, heads, t, s)."""
     return masked_scores(q, k, attn_mask).float().softmax(dim=-1).to(dtype)
 
@@ -192,21 +202,25 @@ def attend(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
 def attend_one(q: Tensor, k_t: Tensor, v: Tensor, attn_mask: Tensor | None) -> Tensor:
     """Attention at inference of a few queries per batch entry: q (b, heads, g, d_k)
     against keys given transposed, k_t (b, heads, d_k, len), and v (b, heads, len, d_v);
-    `attn_mask` None or boolean broadcastable to (b, heads, g, len), True = may attend.
+    `attn_mask` None, boolean (True = may attend) or additive float, broadcastable to
+    (b, heads, g, len) (see `apply_mask_`).
 
     Incremental decoding groups the g beam rows of one sentence as the g queries of one
     entry, so the sentence's keys are read from memory once, not once per row. On GPU
     this is SDPA; on CPU SDPA's flash kernel has a high fixed cost for so few queries
     (about 2x slower than two batched matmuls at beam-search shapes, see
-    bench/model_speed.py), so the softmax is written out there. Keys stored transposed
-    (the encoder's, nmt/inference/decoding.py) make the scores' batched matmul read
-    contiguous matrices: half its time of a transposed view (docs/performance.md).
+    bench/model_speed.py), so the softmax is written out there, with as few passes over
+    the (b, heads, g, len) scores as it takes: the queries are scaled instead of the
+    scores (in the copy that makes them contiguous for the batched matmul), and a cache's
+    additive mask is one add. Keys stored transposed (the encoder's,
+    nmt/inference/decoding.py) make the scores' matmul read contiguous matrices: half its
+    time of a transposed view (docs/performance.md).
     """
     if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k_t.transpose(-1, -2), v, attn_mask=attn_mask)
-    scores = (q @ k_t).mul_(q.size(-1) ** -0.5)  # (b, heads, g, len)
-    if attn_mask is not None:
-        scores.masked_fill_(attn_mask.logical_not(), float("-inf"))
+    scaled = torch.empty(q.shape, dtype=q.dtype)  # (b, heads, g, d_k), contiguous
+    torch.mul(q, q.size(-1) ** -0.5, out=scaled)  # exact for d_k = 64 (a power of two)
+    scores = apply_mask_(scaled @ k_t, attn_mask)  # (b, heads, g, len)
     return softmax_keys(scores) @ v  # (b, heads, g, d_v)
 
 

@@ -86,3 +86,26 @@ def test_attend_one_with_transposed_keys_equals_sdpa_at_every_key_count(dtype) -
         scores = torch.randn(7, keys).to(dtype)
         torch.testing.assert_close(softmax_keys(scores.clone()).float(),
                                    scores.float().softmax(-1), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attend_one_additive_mask_equals_boolean_bit_for_bit(dtype) -> None:
+    """The caches' additive masks (0 / -inf, built once per step) hide exactly the keys a
+    boolean mask hides: the same output to the last bit, from strided (non-contiguous)
+    queries as the decoder layers pass them, and through `attention_weights`."""
+    from nmt.inference.kv_cache import additive
+    from nmt.model.attention import attend_one, attention_weights
+
+    torch.manual_seed(0)
+    qkv = torch.randn(6 * 4, 3 * 4 * 16).to(dtype)  # rows of a fused projection
+    q = qkv[:, : 4 * 16].view(6, 4, 4, 16).transpose(1, 2)  # (b, heads, g, d), strided
+    k_t = torch.randn(6, 4, 16, 21).to(dtype)
+    v = torch.randn(6, 4, 21, 16).to(dtype)
+    mask = torch.rand(6, 1, 4, 21) > 0.4
+    mask[..., 3] = True  # every query sees a key
+    bias = additive(mask, dtype)
+    assert bias.dtype == dtype and bool((bias[mask] == 0).all())
+    assert bool(bias[~mask].eq(float("-inf")).all())
+    assert torch.equal(attend_one(q, k_t, v, bias), attend_one(q, k_t, v, mask))
+    k = k_t.transpose(-1, -2)
+    assert torch.equal(attention_weights(q, k, bias, dtype), attention_weights(q, k, mask, dtype))
