@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from nmt.model.attention import additive_mask
 from nmt.switches import switch
 
 INITIAL_CAPACITY = 16  # target positions preallocated by a new state; doubled when full
@@ -92,7 +93,7 @@ class GroupedCache:
         `cross_mask` (n, 1, 1, src_len) boolean, True = attend, is kept additive."""
         n, capacity = cross_k[0].size(0), min(INITIAL_CAPACITY, limit)
         self_k, self_v = _empty_caches(cross_k, cross_v, n, capacity, 1, k_dim=2)
-        bias = None if cross_mask is None else additive(cross_mask, cross_k[0].dtype)
+        bias = None if cross_mask is None else additive_mask(cross_mask, cross_k[0].dtype)
         return cls(cross_k=cross_k, cross_v=cross_v, padding_mask=padding_mask,
                    cross_mask=bias, self_k=self_k, self_v=self_v,
                    ancestry=torch.zeros(n, 1, capacity, dtype=torch.long,
@@ -269,14 +270,7 @@ def slot_mask(state: GroupedCache, position: int) -> Tensor | None:
     state.ancestry[:, :, position] = slots
     ancestry = state.ancestry[:, :, : position + 1]  # (groups, g, t+1)
     mask = ancestry.unsqueeze(-1) == slots  # (groups, g, t+1, g)
-    return additive(mask.flatten(2).unsqueeze(1), state.self_v[0].dtype)  # (groups, 1, g, L)
-
-
-def additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """A boolean attention mask (True = may attend) as the float one added to the scores:
-    0 where True, -inf where False, in `dtype`."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
-        mask.logical_not(), float("-inf"))
+    return additive_mask(mask.flatten(2).unsqueeze(1), state.self_v[0].dtype)  # (groups, 1, g, L)
 
 
 def _empty_caches(like_k: list[Tensor], like_v: list[Tensor], groups: int, cap: int, g: int,

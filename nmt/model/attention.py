@@ -166,6 +166,13 @@ def apply_mask_(scores: Tensor, mask: Tensor | None) -> Tensor:
     return scores.add_(mask)
 
 
+def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A boolean attention mask (True = may attend) as the additive one `apply_mask_`
+    adds to the scores: 0 where True, -inf where False, in `dtype`."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        mask.logical_not(), float("-inf"))
+
+
 def attention_weights(q: Tensor, k: Tensor, attn_mask: Tensor | None, dtype: torch.dtype
                       ) -> Tensor:
     """softmax(q k^T / sqrt(d_k)) written out, for when the weights themselves are wanted

@@ -41,13 +41,14 @@ class LayerCache(Protocol):
 
     def history(self) -> tuple[Tensor, Tensor, Tensor | None]:
         """The self-attention keys (entries, heads, length, d_k) and values (entries,
-        heads, length, d_v) the rows attend over, this position included, and a mask None
-        or boolean broadcastable to (entries, heads, g, length), True = may attend."""
+        heads, length, d_v) the rows attend over, this position included, and a mask None,
+        boolean (True = may attend) or additive (0 / -inf; see nmt/model/attention.py
+        `apply_mask_`), broadcastable to (entries, heads, g, length)."""
         ...
 
     def encoder(self) -> tuple[Tensor, Tensor, Tensor | None]:
         """The encoder-decoder attention's keys, TRANSPOSED (entries, heads, d_k, src_len),
         as the scores' matmul reads them, V (entries, heads, src_len, d_v), and the source
-        mask None or (entries, 1, 1, src_len), True = real token; rows per entry as for
-        `history`."""
+        mask None or (entries, 1, 1, src_len), boolean (True = real token) or additive;
+        rows per entry as for `history`."""
         ...

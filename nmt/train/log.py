@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from nmt.data.batch_tokens import Batching, fill_note
-from nmt.fileio import atomic_output
+from nmt.fileio import atomic_output, remove_stale_temps
 from nmt.train.best import BestTracker
 
 if TYPE_CHECKING:
@@ -174,7 +174,8 @@ class JsonlLog:
 
     Opened for a resumed run (`resume_step`), it first drops what the resumed run will redo:
     records of updates after `resume_step` (written after the checkpoint it resumes from)
-    and a torn last line of a killed process, so each update is logged once. A failed
+    and a torn last line of a killed process, so each update is logged once, and the temp
+    file of such a rewrite that was itself killed. A failed
     append (disk full, quota) must not kill a training run whose checkpoints may still fit:
     the file is cut back to its last whole line, one warning goes to `warn`, and later
     records are tried again.
@@ -185,8 +186,11 @@ class JsonlLog:
         self.path = Path(path)
         self._warn = warn if warn is not None else warn_line
         self._failing = False
-        if resume_step is not None and self.path.is_file():
-            _drop_after(self.path, resume_step)
+        if resume_step is not None:
+            # a rewrite below killed in an earlier resume leaves its temp file (one writer)
+            remove_stale_temps(self.path.parent, self.path.name)
+            if self.path.is_file():
+                _drop_after(self.path, resume_step)
         self._handle: TextIO = self.path.open("a", encoding="utf-8")
         self._good = self._handle.tell()  # end of the last whole line
 

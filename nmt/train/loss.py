@@ -52,7 +52,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         dtype = _compute_dtype(logits)
         if logits.device.type != "cpu":  # one kernel, reading half-precision logits as is
             lprobs = torch.log_softmax(logits, dim=-1, dtype=dtype)  # (N, V)
-            smooth = lprobs.sum(-1)  # (N,) sum_v log p_v
+            smooth = lprobs.sum(-1) if epsilon != 0.0 else None  # (N,) sum_v log p_v
         else:
             lprobs = torch.empty(logits.shape, dtype=dtype, device=logits.device)  # (N, V)
             smooth = torch.empty(logits.size(0), dtype=dtype, device=logits.device)  # (N,)
@@ -69,6 +69,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         if epsilon == 0.0:
             loss = nll.sum()
         else:
+            assert smooth is not None
             smooth = -smooth
             if weight is not None:
                 smooth = smooth * weight

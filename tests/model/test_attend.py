@@ -93,8 +93,7 @@ def test_attend_one_additive_mask_equals_boolean_bit_for_bit(dtype) -> None:
     """The caches' additive masks (0 / -inf, built once per step) hide exactly the keys a
     boolean mask hides: the same output to the last bit, from strided (non-contiguous)
     queries as the decoder layers pass them, and through `attention_weights`."""
-    from nmt.inference.kv_cache import additive
-    from nmt.model.attention import attend_one, attention_weights
+    from nmt.model.attention import additive_mask, attend_one, attention_weights
 
     torch.manual_seed(0)
     qkv = torch.randn(6 * 4, 3 * 4 * 16).to(dtype)  # rows of a fused projection
@@ -103,7 +102,7 @@ def test_attend_one_additive_mask_equals_boolean_bit_for_bit(dtype) -> None:
     v = torch.randn(6, 4, 21, 16).to(dtype)
     mask = torch.rand(6, 1, 4, 21) > 0.4
     mask[..., 3] = True  # every query sees a key
-    bias = additive(mask, dtype)
+    bias = additive_mask(mask, dtype)
     assert bias.dtype == dtype and bool((bias[mask] == 0).all())
     assert bool(bias[~mask].eq(float("-inf")).all())
     assert torch.equal(attend_one(q, k_t, v, bias), attend_one(q, k_t, v, mask))

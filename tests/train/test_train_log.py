@@ -33,6 +33,22 @@ def test_reopen_for_resume_drops_redone_updates_and_torn_line(tmp_path):
         ("train", 1), ("train", 2), ("train", 3), ("train", 4), ("valid", 4), ("train", 5)]
 
 
+def test_reopen_for_resume_removes_a_killed_rewrites_temp_file(tmp_path):
+    """A resume's rewrite of the log killed with SIGKILL leaves `.train_log.jsonl.*.tmp`;
+    the next resume removes it (found by the kill -9 test in tests/train/test_faults_train.py),
+    even when its own log needs no rewrite, and leaves other files alone."""
+    path = tmp_path / "train_log.jsonl"
+    path.write_text(json.dumps({"kind": "train", "step": 1}) + "\n", encoding="utf-8")
+    stale = tmp_path / ".train_log.jsonl.abc123.tmp"
+    stale.write_text("half a rewrite", encoding="utf-8")
+    other = tmp_path / ".checkpoint_5.pt.abc123.tmp"
+    other.write_text("not the log's", encoding="utf-8")
+    JsonlLog(path, resume_step=1).close()
+    assert not stale.exists()
+    assert other.exists()
+    assert [r["step"] for r in _records(path)] == [1]
+
+
 def test_run_log_writes_on_rank_zero_and_does_nothing_elsewhere(tmp_path, capsys):
     """The trainer writes through a RunLog: records and lines on rank 0; on the other
     ranks (no log, no reporter) every call is a no-op."""
