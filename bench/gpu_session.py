@@ -4,8 +4,9 @@ written under --out as it goes.
 
 On the lent GPU machine (no network, its own Python and torch), from the checkout root:
 
-    python3 bench/gpu_session.py                      # steps a-c, the first visit
-    python3 bench/gpu_session.py --only speed,quality # steps d-e, a second visit
+    python3 bench/gpu_session.py --out $OUT/gs --work /tmp/gs                 # a, b
+    python3 bench/gpu_session.py --out $OUT/gs --work /tmp/gs --only second   # c
+    python3 bench/gpu_session.py --out $OUT/gs --work /tmp/gs --only third    # d, e
     python3 bench/gpu_session.py --dry-run            # CPU, toy sizes: what CI runs
 
 Before the visit, on the CPU side, `make gpu-visit-files` fills the git-ignored
@@ -13,17 +14,21 @@ Before the visit, on the CPU side, `make gpu-visit-files` fills the git-ignored
 lacks (sacremoses and its dependencies, for Python 3.12) and a copy of the shared data
 (Multi30k, newstest2014), found there through NMT_SHARED_DATA.
 
-Steps (names for --only; `first` = tests,check,train, `second` = speed,quality):
+Steps (names for --only; `first` = tests,check, `second` = train, `third` = speed,quality;
+or a single step by the name it has in steps.jsonl, e.g. check_other, train_big_8gpu):
   tests    a. `pytest -m gpu` (the CUDA tests)
   check    b. bench/gpu_check.py (training bf16/fp16 vs CPU fp32, resume after SIGKILL,
               translation at every precision, decoding modes, host-sync census, big memory,
-              the 8-GPU shape, --gpus 2), with fewer updates and lines than its defaults
+              the 8-GPU shape, --gpus 2), with fewer updates and lines than its defaults,
+              in two capped halves (check_train, check_other)
   train    c. bench/gpu_train_speed.py: base and big, the 1-GPU and 8-GPU shapes, reference
               and fused loss, eager and --compile, peak memory, MFU against the bf16 matmul
-              peak it measures
+              peak it measures; a torch.profiler look (device busy fraction, kernels) and
+              the whole update as one micro-batch (is the host the limit?)
   speed    d. bench/gpu_translate_speed.py: beam search on CUDA, bf16 and fp32
   quality  e. the Multi30k recipe for --quality-minutes on CUDA, averaged, test2016 BLEU
-Each step's output goes to OUT/<step>.log, one JSON line per step to OUT/steps.jsonl
+Each step's output goes to OUT/<step>.log (data and runs to --work: keep it out of $OUT,
+whose file count is limited), one JSON line per step to OUT/steps.jsonl
 (rc, seconds, timed out), and the end prints where each minute went. A step that hangs
 costs its cap, not the visit; --budget-s (default 6 minutes) caps the whole visit, cutting
 the last steps' caps and skipping what no longer fits, so a second visit after a fix fits
@@ -47,8 +52,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 VISIT = REPO / "bench" / "gpu_visit"  # git-ignored: wheels/ and shared/ for the machine
 PY = sys.executable
-GROUPS = {"first": ["tests", "check", "train"], "second": ["speed", "quality"]}
-STEPS = ("install", "tests", "check", "train", "speed", "quality")
+# Three visits' worth, each about 5-6 minutes on an H200 (measured 2026-11-27: tests 67 s,
+# check 180 s + 75 s; the train group about 5 minutes): correctness, then training speed,
+# then decoding speed and quality.
+GROUPS = {"first": ["tests", "check"], "second": ["train"], "third": ["speed", "quality"]}
+STEPS = ("install", "tests", "check", "train", "speed", "quality")  # --only names
 
 
 @dataclass
@@ -83,20 +91,36 @@ def install_step() -> Step | None:
     return Step("install", ["bash", "-c", script], 120)
 
 
-def steps(only: list[str], dry: bool, out: Path, quality_minutes: float) -> list[Step]:
-    """The visit's commands, in order, with their caps (seconds; dry run: CPU toy sizes)."""
-    data = out / "data"  # Multi30k prepared once by the check, reused by quality
+def steps(only: list[str], dry: bool, work: Path, quality_minutes: float) -> list[Step]:
+    """The visit's commands, in order, with their caps (seconds; dry run: CPU toy sizes);
+    data, runs and checkpoints go under `work`."""
+    data = work / "data"  # Multi30k prepared once by the check, reused by quality
     plan: list[Step] = []
     if "tests" in only:
-        plan.append(Step("tests", [PY, "-m", "pytest", "-m", "gpu", "-q", "-x", "-p",
+        plan.append(Step("tests", [PY, "-m", "pytest", "-m", "gpu", "-q", "-p",
                                    "no:cacheprovider"], 120))
     if "check" in only:
-        sizes = ["--dry-run"] if dry else ["--updates", "300", "--lines", "500"]
-        plan.append(Step("check", [PY, "bench/gpu_check.py", *sizes, "--out",
-                                   str(out / "gpu_check"), "--data", str(data)], 240))
+        # Two capped halves: what needs the bf16 run (training, resume, translation), then
+        # the rest, so a slow first half cannot take the second's rows with it.
+        sizes = ["--dry-run"] if dry else ["--updates", "200", "--lines", "300"]
+        for half, groups, cap in (("check_train", "training,resume,translate,decoding", 240),
+                                  ("check_other", "host_syncs,big_memory,shape_8gpu,"
+                                   "torchrun_2proc", 120)):
+            plan.append(Step(half, [PY, "bench/gpu_check.py", *sizes, "--only", groups,
+                                    "--out", str(work / half), "--data", str(data)], cap))
     if "train" in only:
         plan.append(Step("matmul_peak", [PY, "-c", PEAK_CODE, "1024" if dry else "8192"], 60))
         common = ["--smoke"] if dry else ["--steps", "8", "--warmup", "3"]
+        plan.append(Step("train_base_1gpu_profile", [
+            PY, "bench/gpu_train_speed.py", "--arch", "base", "--profile", *common],
+            60 if not dry else 120))  # where the step time goes: busy fraction, kernels
+        # One micro-batch of the whole 25,000-token update instead of 3 x 8,805: if the
+        # step time barely grows, the host (kernel launches), not the GPU, sets the pace.
+        plan.append(Step("train_base_1gpu_one_micro", [
+            PY, "bench/gpu_train_speed.py", "--arch", "base", "--update-freq", "1",
+            "--max-tokens", "1024" if dry else "27000", "--loss", "fused",
+            *(["--smoke"] if dry else ["--steps", "6", "--warmup", "2"])],
+            60 if not dry else 120))
         for arch in ("base", "big"):
             for gpus in ("1", "8"):
                 plan.append(Step(f"train_{arch}_{gpus}gpu", [
@@ -111,7 +135,7 @@ def steps(only: list[str], dry: bool, out: Path, quality_minutes: float) -> list
     if "quality" in only:
         minutes = 0.2 if dry else quality_minutes
         device = "cpu" if dry else "cuda"
-        run = out / "quality"
+        run = work / "quality"
         nmt = [PY, "-m", "cli.main"]
         script = " && ".join(shlex.join(cmd) for cmd in [
             [*nmt, "train", str(data), "-o", str(run), "--device", device,
@@ -173,7 +197,8 @@ def run_step(step: Step, out: Path, record: Path) -> dict[str, object]:
         sink.write(f"$ {shlex.join(step.argv)}\n")
         sink.flush()
         proc = subprocess.Popen(step.argv, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(step.env or {})},
+                                env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                     **(step.env or {})},
                                 start_new_session=True)
         try:
             rc = proc.wait(timeout=step.cap_s)
@@ -195,19 +220,31 @@ def main() -> int:
                         help="CPU, toy sizes (GPU-only figures n/a): what CI runs")
     parser.add_argument("--only", default="first",
                         help="comma-separated steps or groups: " + ", ".join(STEPS[1:])
-                        + "; first = tests,check,train; second = speed,quality")
+                        + "; first = tests,check; second = train; third = speed,quality; or one "
+                        "step of a group by its name (check_other, train_big_8gpu, ...)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "gpu_session")
+    parser.add_argument("--work", type=Path, default=None,
+                        help="data, runs and checkpoints (default OUT/work); on the GPU "
+                        "machine put it outside $OUT, so that only the logs come back")
     parser.add_argument("--quality-minutes", type=float, default=3.0)
     parser.add_argument("--budget-s", type=float, default=360.0,
                         help="the whole visit's command time: each step's cap is cut to what "
                         "is left, and a step with under 15 s left is skipped (default 6 min)")
     opts = parser.parse_args()
     only: list[str] = []
-    for name in (n.strip() for n in opts.only.split(",") if n.strip()):
+    names = [n.strip() for n in opts.only.split(",") if n.strip()]
+    for name in names:
         only += GROUPS.get(name, [name])
-    unknown = sorted(set(only) - set(STEPS[1:]))
+    # A step's own name (train_big_8gpu, check_other, ...) picks that step of its group,
+    # in the plan's order: a second visit re-runs only what failed or did not fit.
+    grouped = [(group, step) for group in STEPS[1:]
+               for step in steps([group], opts.dry_run, opts.work or opts.out / "work",
+                                 opts.quality_minutes)]
+    picked = {n for n in only if n not in STEPS}
+    unknown = sorted(picked - {step.name for _, step in grouped})
     if unknown or not only:
         parser.error(f"--only: unknown {', '.join(unknown) or '(none)'}")
+    plan = [step for group, step in grouped if group in only or step.name in picked]
     opts.out.mkdir(parents=True, exist_ok=True)
     record = opts.out / "steps.jsonl"
     record.unlink(missing_ok=True)
@@ -220,7 +257,7 @@ def main() -> int:
         if results[-1]["rc"] != 0:
             print("gpu_session: install failed; see its log", file=sys.stderr)
             return 1
-    for step in steps(only, opts.dry_run, opts.out, opts.quality_minutes):
+    for step in plan:
         left = opts.budget_s - (time.perf_counter() - visit_start)
         if left < 15:
             skipped = {"step": step.name, "rc": None, "skipped": "out of --budget-s"}

@@ -71,6 +71,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -253,6 +254,55 @@ def train_update(micro: list[HostBatch], net: nn.Module, model: Transformer,
     return step.loss_sum / tokens
 
 
+def profile_updates(updates: list[list[HostBatch]], update: Any,
+                    device: torch.device, top: int = 15) -> dict:
+    """Run `updates` once more under torch.profiler: wall time, the device's kernel time
+    (busy fraction: below 1 the GPU waits on the host), the host time in ops, and the top
+    kernels by device time. Where the step time goes, when MFU is low."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    sync(device)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for micro in updates:
+            update(micro)
+        sync(device)
+        wall = time.perf_counter() - start
+    averages = prof.key_averages()
+
+    def device_us(e: Any) -> float:
+        return float(getattr(e, "self_device_time_total", 0.0)
+                     or getattr(e, "self_cuda_time_total", 0.0) or 0.0)
+
+    kernel_us = sum(device_us(e) for e in averages)
+    ranked = sorted(averages, key=device_us if kernel_us else
+                    (lambda e: float(e.self_cpu_time_total)), reverse=True)[:top]
+    rows = [{"name": e.key[:90], "calls": int(e.count), "device_ms": device_us(e) / 1e3,
+             "host_ms": float(e.self_cpu_time_total) / 1e3} for e in ranked]
+    launches = sum(int(e.count) for e in averages
+                   if "cudaLaunchKernel" in e.key or "cuLaunchKernel" in e.key)
+    return {"updates": len(updates), "wall_ms": wall * 1e3,
+            "device_kernel_ms": kernel_us / 1e3 if kernel_us else None,
+            "device_busy": kernel_us / 1e6 / wall if kernel_us else None,
+            "kernel_launches_per_update": launches / len(updates) if launches else None,
+            "top": rows}
+
+
+def print_profile(p: dict) -> None:
+    """The profile's summary and its top rows."""
+    busy = "n/a" if p["device_busy"] is None else f"{100 * p['device_busy']:.0f}%"
+    launches = p["kernel_launches_per_update"]
+    print(f"profile       {p['updates']} updates, {p['wall_ms']:.1f} ms wall, device busy "
+          f"{busy}" + ("" if launches is None else f", {launches:.0f} kernel launches per "
+                       "update"))
+    for row in p["top"]:
+        print(f"  {row['device_ms']:9.2f} ms dev {row['host_ms']:9.2f} ms host "
+              f"{row['calls']:6d}x  {row['name']}")
+
+
 def sync(device: torch.device) -> None:
     """Wait for the device's queued work (CUDA; nothing to wait for on a CPU)."""
     if device.type == "cuda":
@@ -351,6 +401,10 @@ def time_loss(opt: argparse.Namespace, loss_name: str, device: torch.device,
         "loss_per_token_first_update": float(warm_losses[0]),
         "finite": all(math.isfinite(v) for v in loss_values),
     }
+    if opt.profile:
+        result["profile"] = profile_updates(timed[:2], lambda micro: train_update(
+            micro, net, model, opt, loss_name, device, precision, optimizer, scaler,
+            schedule), device)
     if device.type == "cuda":
         result["peak_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
         result["peak_memory_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2 ** 30
@@ -365,7 +419,7 @@ PER_LOSS_KEYS = ("chunk_rows", "seconds", "warmup_seconds", "step_time_s", "toke
                  "attention_tflops", "mfu", "mfu_with_attention", "mfu_6n_all_tokens",
                  "loss_per_token_first_last", "loss_per_token_first_update", "finite",
                  "peak_memory_allocated_gib",
-                 "peak_memory_reserved_gib", "peak_host_rss_gib")
+                 "peak_memory_reserved_gib", "peak_host_rss_gib", "profile")
 
 
 def peak_memory_gib(r: dict) -> float:
@@ -516,6 +570,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="dense bf16 peak of the device, overriding the table")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--profile", action="store_true",
+                        help="run the timed updates once more under torch.profiler: device "
+                        "busy fraction, kernel launches, top kernels")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU, tiny model, vocab 1000, max-tokens 1024, batch-tokens "
                         "2048, 1+2 updates per loss")
@@ -565,6 +622,11 @@ def main() -> None:
         print_comparison(result)
     else:
         print_table(result)
+    for name in result.get("losses", [result["loss"]]):
+        prof = result.get("by_loss", {}).get(name, result).get("profile")
+        if prof:
+            print(f"--- profile, loss {name}")
+            print_profile(prof)
     print(json.dumps(result))
 
 

@@ -6,6 +6,8 @@ exercise the real device. Run on a GPU machine: `.venv/bin/python -m pytest -m g
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,6 +15,8 @@ from helpers.data import make_copy_data
 
 from nmt.checkpoint import load_checkpoint
 from nmt.config import DecodeConfig, TrainConfig, model_preset
+from nmt.data.batching import Batch
+from nmt.train.feed import to_device
 from nmt.train.log import read_jsonl
 from nmt.train.loop import Trainer, train
 from nmt.train.state import restore_rng
@@ -34,11 +38,33 @@ def data(tmp_path_factory):
     return make_copy_data(tmp_path_factory.mktemp("cuda") / "data", n_train=300, n_valid=20)
 
 
-def test_default_precision_on_cuda_is_bf16_with_expandable_segments(data, tmp_path):
+def test_default_precision_on_cuda_is_bf16(data, tmp_path):
     trainer = Trainer(data, tmp_path / "run", MODEL, _cfg(), "cuda", progress=False)
     want = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     assert trainer.precision == want and trainer.device.type == "cuda"
-    assert "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+
+
+def test_a_fresh_process_choosing_cuda_gets_expandable_segments():
+    """In a new process (as `nmt train` starts; in this one earlier tests have initialised
+    CUDA, after which the allocator no longer reads the variable)."""
+    code = ("import os, torch; from nmt.device import resolve_device; "
+            "d = resolve_device('cuda'); torch.zeros(1, device=d); "
+            "print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF', ''))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, check=True, timeout=120).stdout
+    assert out.strip() == "expandable_segments:True"
+
+
+def test_to_device_takes_host_and_device_batches(data):
+    """The feed's pinned host batches, and one already on the GPU (nothing to pin)."""
+    host = Batch(torch.tensor([[5, 6, 2]]), torch.tensor([[1, 5, 6]]),
+                 torch.tensor([[5, 6, 2]]), 3, 3)
+    on_gpu = Batch(*(t.cuda() for t in (host.src, host.tgt_in, host.tgt_out)), 3, 3)
+    for batch in (host, on_gpu):
+        micro = to_device(batch, has_pad=False, select=torch.tensor([0, 2]),
+                          device=torch.device("cuda"))
+        assert micro.batch.src.is_cuda and micro.target.tolist() == [5, 2]
 
 
 def test_resume_on_cuda_continues_the_run(data, tmp_path):

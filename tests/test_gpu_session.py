@@ -27,14 +27,16 @@ def _session(tmp_path: Path, *args: str, shared: Path | None = None,
 
 @pytest.mark.slow
 def test_dry_run_runs_every_step(tmp_path, multi30k_dir):
-    result = _session(tmp_path, "--dry-run", "--only", "first,second", "--budget-s", "900",
+    result = _session(tmp_path, "--dry-run", "--only", "first,second,third", "--budget-s", "900",
                       shared=multi30k_dir.parent)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     steps = [json.loads(line) for line in
              (tmp_path / "out" / "steps.jsonl").read_text().splitlines()]
     names = [s["step"] for s in steps]
-    assert names[:3] == ["tests", "check", "matmul_peak"] and names[-2:] == ["speed", "quality"]
-    assert {"train_base_1gpu", "train_big_8gpu", "train_base_1gpu_compile"} <= set(names)
+    assert names[:4] == ["tests", "check_train", "check_other", "matmul_peak"]
+    assert names[-2:] == ["speed", "quality"]
+    assert {"train_base_1gpu", "train_big_8gpu", "train_base_1gpu_profile",
+            "train_base_1gpu_compile"} <= set(names)
     assert all(s["rc"] == 0 and not s["timed_out"] for s in steps), steps
     assert "where the time went:" in result.stdout
     summary = json.loads(result.stdout.strip().splitlines()[-1])

@@ -97,14 +97,19 @@ def host_selection(src_lens: np.ndarray, tgt_lens: np.ndarray, tgt_width: int
         torch.from_numpy(rows)
 
 
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """`t` in page-locked host memory for an asynchronous copy; a device tensor as is."""
+    return t.pin_memory() if t.device.type == "cpu" else t
+
+
 def to_device(batch: Batch, has_pad: bool, select: torch.Tensor | None,
               device: torch.device) -> Micro:
     """A collated micro-batch as the model takes it: on `device` (pinned and copied
     asynchronously on CUDA), with the gold ids of the `select`ed target positions."""
-    if device.type == "cuda":
-        batch.src, batch.tgt_in, batch.tgt_out = (t.pin_memory() for t in (
+    if device.type == "cuda":  # host tensors only: one already on the GPU stays as is
+        batch.src, batch.tgt_in, batch.tgt_out = (_pinned(t) for t in (
             batch.src, batch.tgt_in, batch.tgt_out))  # already pinned: returned as is
-        select = None if select is None else select.pin_memory()
+        select = None if select is None else _pinned(select)
     batch = batch.to(device)
     if select is None:
         return Micro(batch, has_pad, None, batch.tgt_out)

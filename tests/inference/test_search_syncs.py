@@ -439,5 +439,7 @@ def test_cuda_beam_search_syncs_once_per_step() -> None:
             beam_search(log, max_lens, beam=4, alpha=0.6, nbest=2, min_len=1)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    # Only the per-call warnings count: sync debug mode also warns once that it is a
+    # prototype ("Synchronization debug mode is a prototype feature ...").
+    syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
     assert len(syncs) <= len(log.fed) + 3, [str(w.message) for w in syncs[:5]]
