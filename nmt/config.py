@@ -161,12 +161,17 @@ class TrainConfig:
         "(paper: 25000); derives update-freq and the micro-batch size (at most max-tokens) "
         "for the number of processes from how full the data's batches are measured to be.",
         shown_default="off")
-    # auto: fused on CUDA (it never holds the (rows, vocab) logits; its speed there is for
-    # bench/gpu_train_speed.py --loss both to decide, no GPU figure yet), reference on a
-    # CPU (there the recomputed logits cost 1.3x at base shapes; see nmt/train/loss.py).
+    # auto: fused on CUDA (it never holds the (rows, vocab) logits: on an H200 at the WMT
+    # recipe's 1-GPU shape as fast as the reference with 58 % of its peak memory,
+    # docs/performance.md), reference on a CPU (there the recomputed logits cost 1.3x at
+    # base shapes; see nmt/train/loss.py).
     fused_loss: str = _setting(  # see FUSED_LOSS
         "auto", "auto | on | off: project to the vocabulary chunk by chunk inside the loss "
         "(never the whole logits); auto = on for CUDA, off for a CPU.")
+    compile: bool = _setting(
+        False, "torch.compile the model (dynamic shapes): fused kernels and fewer launches "
+        "per micro-batch, for a GPU that waits on the host; the first updates compile "
+        "(a minute or more).")
     max_len: int = _setting(
         256, "Skip training pairs with a side longer than this (tokens incl. EOS).")
     # auto: bf16 where native (Ampere+ GPU, bf16 CPU), fp16 on older GPUs, else fp32 (see

@@ -150,7 +150,10 @@ def masked_scores(q: Tensor, k: Tensor, attn_mask: Tensor | None,
     are applied in place (autograd-safe: the scaling's backward does not read its output)."""
     scores = q @ k.transpose(-1, -2) * q.size(-1) ** -0.5  # (b, heads, t, s)
     if is_causal:
-        scores.masked_fill_(_later_keys(*scores.shape[-2:], q.device), float("-inf"))
+        t, s = scores.shape[-2:]
+        later = (torch.ones(t, s, dtype=torch.bool, device=q.device).triu_(1)
+                 if torch.compiler.is_compiling() else _later_keys(t, s, q.device))
+        scores.masked_fill_(later, float("-inf"))  # compiled: built in the graph, not cached
     return apply_mask_(scores, attn_mask)
 
 

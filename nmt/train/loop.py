@@ -53,7 +53,15 @@ from nmt.train.setup import (
     open_valid,
 )
 from nmt.train.state import LAST, DataState, Training, capture_rng, save_training, write_best
-from nmt.train.step import LossOptions, advance, apply_update, launch_update, nonfinite, train_step
+from nmt.train.step import (
+    LossOptions,
+    advance,
+    apply_update,
+    compiled,
+    launch_update,
+    nonfinite,
+    train_step,
+)
 from nmt.train.validate import validate
 
 
@@ -182,6 +190,8 @@ class Trainer:
             self.initialised_from = Path(init_from)
             self.notes.append(note)
         self.net = data_parallel(self.model, self.env, self.device)
+        if train_cfg.compile:
+            self.net = compiled(self.net)
         self.epoch_batches = epoch_batches(self.data_dir, self.train_data,
                                            self.batching.micro_tokens, train_cfg,
                                            self.env.world_size, self.data_state.epoch)

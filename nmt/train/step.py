@@ -57,6 +57,22 @@ class LossOptions:
     compiled: bool = False
 
 
+# Graphs one compiled model may keep: one per combination of the forward's flags
+# (has_pad, select or not, project), lengths and row counts being dynamic.
+COMPILE_CACHE_SIZE = 16
+
+
+def compiled(net: nn.Module) -> nn.Module:
+    """`net` (the model or its DDP wrapper) under torch.compile with dynamic shapes: every
+    batch has its own rows and lengths, and specialising on each would recompile at every
+    new shape. Parameters, state dict and DDP's `no_sync` stay those of `net`."""
+    import torch._dynamo
+
+    dynamo = torch._dynamo.config
+    dynamo.cache_size_limit = max(dynamo.cache_size_limit, COMPILE_CACHE_SIZE)
+    return torch.compile(net, dynamic=True)
+
+
 def micro_loss(net: nn.Module, model: Transformer, mb: Micro, opts: LossOptions
                ) -> tuple[Tensor, Tensor]:
     """(label-smoothed loss sum, NLL sum) of one micro-batch, under the caller's autocast.

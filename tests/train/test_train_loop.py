@@ -335,3 +335,29 @@ def test_fused_projected_loss_trains_like_the_reference(copy_data, tmp_path):
         results[fused] = trainer.run()
     assert len(results[True].losses) == 12
     assert results[False].losses == pytest.approx(results[True].losses, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_compiled_model_trains_like_the_eager_one(copy_data, tmp_path):
+    """`--compile` (torch.compile, dynamic shapes): the same losses as eager to float
+    rounding (dropout off: compiled code draws its own random numbers), no recompilation
+    per batch shape, and checkpoints keyed like the bare model's."""
+    torch.set_num_threads(1)
+    model = model_preset("tiny", dropout=0.0)
+    results, trainers = {}, {}
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    for compile_ in (False, True):
+        cfg = _cfg(max_updates=6, precision="fp32", compile=compile_)
+        trainers[compile_] = loop.Trainer(copy_data, tmp_path / str(compile_), model, cfg,
+                                          "cpu", progress=False)
+        compiled_net = isinstance(trainers[compile_].net,
+                                  torch._dynamo.eval_frame.OptimizedModule)
+        assert compiled_net == compile_
+        results[compile_] = trainers[compile_].run()
+    assert results[False].losses == pytest.approx(results[True].losses, rel=1e-4)
+    # One graph per forward flag combination, not one per batch shape.
+    assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
+    eager, compiled = _weights(tmp_path / "False"), _weights(tmp_path / "True")
+    assert eager.keys() == compiled.keys()
