@@ -105,9 +105,10 @@ class Setup:
 
 
 def run_cli(setup: Setup, *args: str, stdin: bytes | None = None,
-            timeout: float = 900) -> subprocess.CompletedProcess:
+            timeout: float = 900, env_extra: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
     """`python -m cli.main ARGS` from the checkout; raises with its stderr on failure."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env_extra or {})}
     result = subprocess.run([setup.python, "-m", "cli.main", *args], input=stdin,
                             capture_output=True, timeout=timeout, env=env, cwd=REPO)
     if result.returncode != 0:
@@ -136,7 +137,8 @@ def train_losses(run: Path) -> dict[int, float]:
             if r["kind"] == "train"}
 
 
-def train_run(setup: Setup, run: Path, device: str, precision: str, *extra: str) -> Check:
+def train_run(setup: Setup, run: Path, device: str, precision: str, *extra: str,
+              env_extra: dict[str, str] | None = None) -> Check:
     """`nmt train` for --updates updates; loss and tokens/s from its log."""
     from nmt.train.log import read_jsonl
 
@@ -144,7 +146,7 @@ def train_run(setup: Setup, run: Path, device: str, precision: str, *extra: str)
     run_cli(setup, "train", str(setup.data), "-o", str(run), "--device", device,
             "--precision", precision, "--max-updates", str(setup.updates),
             "--log-interval", str(max(1, setup.updates // 20)), "--valid-interval",
-            str(setup.updates), *setup.model_flags, *extra)
+            str(setup.updates), *setup.model_flags, *extra, env_extra=env_extra)
     seconds = time.perf_counter() - start
     records = [r for r in read_jsonl(run / "train_log.jsonl") if r["kind"] == "train"]
     last = records[-1]
@@ -175,10 +177,14 @@ def check_training(setup: Setup, runs: Path) -> list[Check]:
         print(f"  ... {check.name}: {check.figure} [{check.detail}]", flush=True)
         return check
 
-    # The CPU reference runs beside the device runs (they leave the host's cores idle);
-    # in a dry run everything is on the CPU, so one after the other.
+    # The CPU reference runs beside the device runs, on all but 4 of the host's cores (a
+    # GPU run's host threads must not wait for cores: they set its pace); in a dry run
+    # everything is on the CPU, so one after the other.
+    threads = {} if setup.device == "cpu" else {
+        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 8) - 4))}
     with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = pool.submit(train_run, setup, runs / "cpu_fp32", "cpu", "fp32")
+        pending = pool.submit(train_run, setup, runs / "cpu_fp32", "cpu", "fp32",
+                              env_extra=threads)
         if setup.device == "cpu":
             pending.result()
         gpu_runs = [reported(train_run(setup, runs / precision, setup.device, precision,

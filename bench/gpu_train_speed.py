@@ -259,6 +259,7 @@ def profile_updates(updates: list[list[HostBatch]], update: Any,
     """Run `updates` once more under torch.profiler: wall time, the device's kernel time
     (busy fraction: below 1 the GPU waits on the host), the host time in ops, and the top
     kernels by device time. Where the step time goes, when MFU is low."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -272,35 +273,49 @@ def profile_updates(updates: list[list[HostBatch]], update: Any,
         sync(device)
         wall = time.perf_counter() - start
     averages = prof.key_averages()
+    # Kernel rows are the device's events; a CPU op's own device time repeats the kernels
+    # it launched, so only device rows are summed (as torch's own table footer does).
+    kernels = [e for e in averages if e.device_type != DeviceType.CPU]
+    kernel_us = sum(float(e.self_device_time_total) for e in kernels)
+    host_ops = [e for e in averages if e.device_type == DeviceType.CPU]
 
-    def device_us(e: Any) -> float:
-        return float(getattr(e, "self_device_time_total", 0.0)
-                     or getattr(e, "self_cuda_time_total", 0.0) or 0.0)
+    def row(e: Any) -> dict:
+        return {"name": e.key[:90], "calls": int(e.count),
+                "device_ms": float(e.self_device_time_total) / 1e3 if e in kernels else 0.0,
+                "host_ms": float(e.self_cpu_time_total) / 1e3}
 
-    kernel_us = sum(device_us(e) for e in averages)
-    ranked = sorted(averages, key=device_us if kernel_us else
-                    (lambda e: float(e.self_cpu_time_total)), reverse=True)[:top]
-    rows = [{"name": e.key[:90], "calls": int(e.count), "device_ms": device_us(e) / 1e3,
-             "host_ms": float(e.self_cpu_time_total) / 1e3} for e in ranked]
-    launches = sum(int(e.count) for e in averages
+    top_kernels = sorted(kernels, key=lambda e: float(e.self_device_time_total),
+                         reverse=True)[:top]
+    top_host = sorted(host_ops, key=lambda e: float(e.self_cpu_time_total), reverse=True)[:top]
+    launches = sum(int(e.count) for e in host_ops
                    if "cudaLaunchKernel" in e.key or "cuLaunchKernel" in e.key)
     return {"updates": len(updates), "wall_ms": wall * 1e3,
-            "device_kernel_ms": kernel_us / 1e3 if kernel_us else None,
-            "device_busy": kernel_us / 1e6 / wall if kernel_us else None,
+            "device_kernel_ms": kernel_us / 1e3 if kernels else None,
+            "device_busy": kernel_us / 1e6 / wall if kernels else None,
             "kernel_launches_per_update": launches / len(updates) if launches else None,
-            "top": rows}
+            "host_op_ms": sum(float(e.self_cpu_time_total) for e in host_ops) / 1e3,
+            "top": [row(e) for e in top_kernels], "top_host": [row(e) for e in top_host]}
 
 
-def print_profile(p: dict) -> None:
-    """The profile's summary and its top rows."""
+def print_profile(p: dict, step_time_s: float) -> None:
+    """The profile's summary and its top rows; the device's kernel time per update set
+    against the unprofiled step time (the profiler's own overhead stretches its wall)."""
     busy = "n/a" if p["device_busy"] is None else f"{100 * p['device_busy']:.0f}%"
+    if p["device_kernel_ms"] is not None:
+        per_update = p["device_kernel_ms"] / p["updates"]
+        print(f"kernels       {per_update:.1f} ms per update on the device, against "
+              f"{1e3 * step_time_s:.1f} ms unprofiled: the GPU works "
+              f"{100 * per_update / (1e3 * step_time_s):.0f}% of an update")
     launches = p["kernel_launches_per_update"]
     print(f"profile       {p['updates']} updates, {p['wall_ms']:.1f} ms wall, device busy "
           f"{busy}" + ("" if launches is None else f", {launches:.0f} kernel launches per "
                        "update"))
+    print(f"  host time in ops {p['host_op_ms']:.1f} ms; top kernels by device time:")
     for row in p["top"]:
-        print(f"  {row['device_ms']:9.2f} ms dev {row['host_ms']:9.2f} ms host "
-              f"{row['calls']:6d}x  {row['name']}")
+        print(f"  {row['device_ms']:9.2f} ms dev {row['calls']:6d}x  {row['name']}")
+    print("  top host ops by their own host time:")
+    for row in p["top_host"]:
+        print(f"  {row['host_ms']:9.2f} ms host {row['calls']:6d}x  {row['name']}")
 
 
 def sync(device: torch.device) -> None:
@@ -623,10 +638,10 @@ def main() -> None:
     else:
         print_table(result)
     for name in result.get("losses", [result["loss"]]):
-        prof = result.get("by_loss", {}).get(name, result).get("profile")
-        if prof:
+        figures = result.get("by_loss", {}).get(name, result)
+        if figures.get("profile"):
             print(f"--- profile, loss {name}")
-            print_profile(prof)
+            print_profile(figures["profile"], figures["step_time_s"])
     print(json.dumps(result))
 
 
