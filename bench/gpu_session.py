@@ -7,11 +7,11 @@ On the lent GPU machine (no network, its own Python and torch), from the checkou
     python3 bench/gpu_session.py --out $OUT/gs --work /tmp/gs                 # a, b
     python3 bench/gpu_session.py --out $OUT/gs --work /tmp/gs --only second   # c
     python3 bench/gpu_session.py --out $OUT/gs --work /tmp/gs --only third    # d, e
+    python3 bench/gpu_session.py --dry-run            # CPU, toy sizes: what CI runs
 
 A session lent 15 minutes of device time fits the first two back to back (about 7 + 5
 minutes and one start-up: the second call must follow within the machine's idle release,
 30 s); the third is the next session's.
-    python3 bench/gpu_session.py --dry-run            # CPU, toy sizes: what CI runs
 
 Before the visit, on the CPU side, `make gpu-visit-files` fills the git-ignored
 `bench/gpu_visit/` (carry it: `run(carry=["bench/gpu_visit"])`): wheels of what the machine

@@ -280,8 +280,9 @@ def profile_updates(updates: list[list[HostBatch]], update: Any,
     host_ops = [e for e in averages if e.device_type == DeviceType.CPU]
 
     def row(e: Any) -> dict:
+        on_device = e.device_type != DeviceType.CPU
         return {"name": e.key[:90], "calls": int(e.count),
-                "device_ms": float(e.self_device_time_total) / 1e3 if e in kernels else 0.0,
+                "device_ms": float(e.self_device_time_total) / 1e3 if on_device else 0.0,
                 "host_ms": float(e.self_cpu_time_total) / 1e3}
 
     top_kernels = sorted(kernels, key=lambda e: float(e.self_device_time_total),

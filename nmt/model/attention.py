@@ -139,7 +139,13 @@ def _later_keys(t: int, s: int, device: torch.device) -> Tensor:
     translation inside a training process): an inference tensor cached here would make
     every later training step that uses it fail in backward."""
     with torch.inference_mode(False):
-        return torch.ones(t, s, dtype=torch.bool, device=device).triu_(1)
+        return _later_keys_mask(t, s, device)
+
+
+def _later_keys_mask(t: int, s: int, device: torch.device) -> Tensor:
+    """(t, s) boolean, True where key j comes after query i: built, not cached (what a
+    compiled graph uses: Dynamo does not trace `_later_keys`'s cache)."""
+    return torch.ones(t, s, dtype=torch.bool, device=device).triu_(1)
 
 
 def masked_scores(q: Tensor, k: Tensor, attn_mask: Tensor | None,
@@ -151,9 +157,9 @@ def masked_scores(q: Tensor, k: Tensor, attn_mask: Tensor | None,
     scores = q @ k.transpose(-1, -2) * q.size(-1) ** -0.5  # (b, heads, t, s)
     if is_causal:
         t, s = scores.shape[-2:]
-        later = (torch.ones(t, s, dtype=torch.bool, device=q.device).triu_(1)
-                 if torch.compiler.is_compiling() else _later_keys(t, s, q.device))
-        scores.masked_fill_(later, float("-inf"))  # compiled: built in the graph, not cached
+        later = (_later_keys_mask if torch.compiler.is_compiling() else _later_keys)(
+            t, s, q.device)
+        scores.masked_fill_(later, float("-inf"))
     return apply_mask_(scores, attn_mask)
 
 

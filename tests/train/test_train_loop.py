@@ -344,18 +344,16 @@ def test_compiled_model_trains_like_the_eager_one(copy_data, tmp_path):
     per batch shape, and checkpoints keyed like the bare model's."""
     torch.set_num_threads(1)
     model = model_preset("tiny", dropout=0.0)
-    results, trainers = {}, {}
+    results = {}
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
     for compile_ in (False, True):
         cfg = _cfg(max_updates=6, precision="fp32", compile=compile_)
-        trainers[compile_] = loop.Trainer(copy_data, tmp_path / str(compile_), model, cfg,
-                                          "cpu", progress=False)
-        compiled_net = isinstance(trainers[compile_].net,
-                                  torch._dynamo.eval_frame.OptimizedModule)
-        assert compiled_net == compile_
-        results[compile_] = trainers[compile_].run()
+        trainer = loop.Trainer(copy_data, tmp_path / str(compile_), model, cfg, "cpu",
+                               progress=False)
+        assert isinstance(trainer.net, torch._dynamo.eval_frame.OptimizedModule) == compile_
+        results[compile_] = trainer.run()
     assert results[False].losses == pytest.approx(results[True].losses, rel=1e-4)
     # One graph per forward flag combination, not one per batch shape.
     assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
