@@ -28,6 +28,9 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "key/value cache, at two host reads a reorder (nmt/inference/kv_cache.py)"),
     Switch("NMT_PACKED_LINEAR", "1", "0 leaves CPU linears as torch's plain matmul instead "
            "of oneDNN with packed weights (nmt/inference/packed_linear.py)"),
+    Switch("NMT_FUSED_ATTENTION", "1", "0 leaves the CPU decoder step's attention to "
+           "PyTorch's ops instead of the C kernel built on first use "
+           "(nmt/model/fused_attention.py)"),
     Switch("NMT_INT8_KERNEL", "", "fbgemm or onednn forces that int8 kernel; unset: each "
            "where it is faster (nmt/inference/int8_linear.py)"),
     Switch("NMT_INT8_OUTPUT", "1", "0 keeps an int8 model's vocabulary projection in fp32 "

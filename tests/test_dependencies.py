@@ -5,7 +5,7 @@ from the source with `ast`: every import of every module, lazy ones inside funct
 - Packages layer one way: nmt.data and nmt.model use only the shared top-level modules,
   nmt.inference adds them, nmt.train adds nmt.inference; the shared modules reach up only
   where checkpoint builds a model (`load_model`, lazily).
-- The network (nmt.model) is torch, nmt.config and nmt.errors alone.
+- The network (nmt.model) is torch, nmt.config, nmt.errors and nmt.switches alone.
 - `nmt/inference/search.py` is pure algorithms: torch, the standard library and the special ids.
 - Caches live in one place: only nmt/inference/decoding.py imports the cache (kv_cache.py);
   the network sees it through nmt/model/incremental.py alone.
@@ -27,7 +27,7 @@ LIBRARY = REPO / "nmt"
 
 FORBIDDEN_IN_LIBRARY = {"cli", "typer", "rich"}  # rich: progress bars are drawn by cli/
 SEARCH_MAY_IMPORT = {"torch", "nmt.special_ids"}
-NETWORK_MAY_IMPORT = {"nmt.config", "nmt.errors"}  # besides torch and nmt.model itself
+NETWORK_MAY_IMPORT = {"nmt.config", "nmt.errors", "nmt.switches"}  # besides torch, nmt.model
 CACHE_OWNERS = {"nmt.inference.decoding"}  # the only importers of the caches
 CACHES = {"nmt.inference.kv_cache"}
 PACKAGES = ("nmt.data", "nmt.model", "nmt.inference", "nmt.train", "nmt.api", "nmt.serve")

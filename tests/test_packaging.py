@@ -1,6 +1,7 @@
-"""A wheel built from this tree ships the recipes: `nmt prep --list` works from an install
-with no source tree beside it. Offline: no build isolation, no dependencies
-fetched; the new environment borrows torch & co. from the running one through a .pth file."""
+"""A wheel built from this tree ships the recipes and the attention kernel's C source: `nmt
+prep --list` works, and the kernel builds, from an install with no source tree beside it.
+Offline: no build isolation, no dependencies fetched; the new environment borrows torch &
+co. from the running one through a .pth file."""
 
 from __future__ import annotations
 
@@ -57,6 +58,13 @@ def test_wheel_ships_the_recipes(tmp_path: Path) -> None:
     assert listed.returncode == 0, listed.stderr
     assert [line.split("\t")[0] for line in listed.stdout.splitlines()] == recipe_names()
     assert len(recipe_names()) >= 3
+    # the attention kernel's C source ships too, and builds from the installed package
+    kernel = _run(python, "-c", "import nmt; from nmt.model import fused_attention as f; "
+                  "print(f.SOURCE.is_relative_to(nmt.__path__[0]), f.SOURCE.is_file(), "
+                  "f.enabled() or shutil.which('cc') is None)".replace(
+                      "shutil", "__import__('shutil')"), cwd=tmp_path)
+    assert kernel.returncode == 0, kernel.stderr
+    assert kernel.stdout.split() == ["True", "True", "True"], kernel.stdout
 
 
 def test_package_data_patterns_cover_every_recipe() -> None:

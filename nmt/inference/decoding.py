@@ -32,6 +32,7 @@ from nmt.config import DecodeConfig
 from nmt.inference.kv_cache import GroupedCache, Regroup
 from nmt.inference.packed_linear import PackedLinear, is_packed
 from nmt.inference.search import beam_search, greedy_decode, max_output_lengths
+from nmt.model.fused_attention import keys_layout
 from nmt.model.incremental import LayerCache
 from nmt.model.transformer import EncoderOutput, Transformer
 
@@ -74,10 +75,11 @@ def init_state(model: Transformer, enc: EncoderOutput, attention_layer: int = -1
     """Start incremental decoding: cross-attention K/V of every layer, computed once,
     and an empty self-attention cache of type `cache`; one row per sentence.
     `attention_layer` picks the layer whose cross-attention `need_attention` stores."""
-    # Laid out once here as every step's matmuls read them: keys transposed (q @ K^T
-    # reads contiguous matrices), values as they are; a strided view would cost each step.
+    # Laid out once here as every step's attention reads them (fused_attention.keys_layout:
+    # d contiguous for the C kernel, else transposed in memory for q @ K^T); values as
+    # they are. A strided view would cost each step.
     cross = [layer.cross_attn.project_kv(enc.states) for layer in model.decoder]
-    keys_t = [k.transpose(-1, -2).contiguous() for k, _ in cross]  # (n, heads, d_k, src_len)
+    keys_t = [keys_layout(k) for k, _ in cross]  # (n, heads, d_k, src_len)
     values = [v.contiguous() for _, v in cross]  # (n, heads, src_len, d_v)
     return cache.start(keys_t, values,
                                enc.padding_mask, enc.attn_mask(), model.config.max_positions,

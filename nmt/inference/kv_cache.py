@@ -189,7 +189,7 @@ class GroupedCache:
             cross_k, cross_v = self.cross_k, self.cross_v
             padding_mask, cross_mask = self.padding_mask, self.cross_mask
         else:
-            cross_k = [k.index_select(0, src) for k in self.cross_k]
+            cross_k = [_take_rows(k, src) for k in self.cross_k]
             cross_v = [v.index_select(0, src) for v in self.cross_v]
             padding_mask = self.padding_mask.index_select(0, src)
             cross_mask = (None if self.cross_mask is None
@@ -323,6 +323,16 @@ def _verify_layout(layout: Regroup, found: tuple[int, Tensor | None], groups: in
         raise RuntimeError(f"reorder promised groups of {layout.size} from old groups "
                            f"{want.tolist()}, but its order makes groups of {size} from "
                            f"{got.tolist()}")
+
+
+def _take_rows(keys_t: Tensor, src: Tensor) -> Tensor:
+    """Rows `src` of the transposed cross keys (groups, heads, d_k, src_len), in their
+    memory layout: stored (.., src_len, d_k) for the fused kernel or transposed
+    (nmt/model/fused_attention.py `keys_layout`); a plain index_select would lay the
+    first out as the second."""
+    if keys_t.stride(-2) == 1 and keys_t.stride(-1) != 1:
+        return keys_t.transpose(-1, -2).index_select(0, src).transpose(-1, -2)
+    return keys_t.index_select(0, src)
 
 
 def _take_groups(cache: Tensor, src: Tensor, used: int) -> Tensor:

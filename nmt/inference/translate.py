@@ -49,6 +49,7 @@ from nmt.inference.search import (
     sample_decode,
 )
 from nmt.inference.workers import WorkerPool, check_workers, fork_safe_threads
+from nmt.model import fused_attention
 from nmt.precision import resolve_precision
 from nmt.special_ids import EOS_ID, PAD_ID
 
@@ -214,6 +215,7 @@ class Engine:
         if dev.type == "cpu":
             size_onednn_cache(INFERENCE_ONEDNN_CACHE)  # before the first oneDNN primitive
             keep_freed_memory()  # per-step activations reuse pages instead of re-faulting
+            fused_attention.enabled()  # build or load the attention kernel once, before forks
         precision = resolve_precision(precision, dev)  # auto -> bf16 / fp16 / fp32
         models, projections, vocab = [], [], None
         parameters = None

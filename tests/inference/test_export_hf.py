@@ -70,10 +70,11 @@ def test_teacher_forced_log_probs_equal(exported: Path, multi30k_model: Path,
                                         test2016: tuple[list[str], list[str]]) -> None:
     """In float64 the two compute the same function (measured: 1.4e-13 apart); in float32
     each rounds its own way (measured on this model, against float64: nmt 5.2e-5,
-    transformers 1.3e-4; 1.8e-4 apart), so float32 gets a rounding-sized bound."""
+    transformers 1.3e-4; 1.8e-4 apart on an Intel Xeon, 5.3e-4 on an AMD EPYC Zen 5, whose
+    kernels round differently), so float32 gets a rounding-sized bound."""
     model, vocab, _ = load_model(multi30k_model)
     hf = transformers.AutoModelForSeq2SeqLM.from_pretrained(exported).eval()
-    for dtype, bound in ((torch.float64, 1e-9), (torch.float32, 5e-4)):
+    for dtype, bound in ((torch.float64, 1e-9), (torch.float32, 1e-3)):
         model, hf = model.to(dtype), hf.to(dtype)
         worst = 0.0
         for source, target in zip(*[side[:100] for side in test2016], strict=True):

@@ -1,0 +1,236 @@
+/* Attention of one incremental decoding step on a CPU, in one pass per query row.
+ *
+ * softmax(q . k * scale + mask) . v for every (entry, head, query) of a step: each key and
+ * value read once, the scores, mask and softmax in a scratch row of the L1 cache, and keys
+ * the mask hides (-inf) never touched. Eager PyTorch spends 6-8 dispatched ops and as many
+ * passes over memory on the same (nmt/model/fused_attention.py builds and calls this;
+ * docs/performance.md has the measurements).
+ *
+ * Shapes: q (E, H, G, D), k (E, H, L, D), v (E, H, L, DV), mask (E, H, G, L) additive
+ * (0 / -inf, broadcast by zero strides) or none, out (E, H, G, DV). Incremental decoding
+ * folds a sentence's G beam rows as the G queries of its entry; with the grouped cache's
+ * slot mask each query reads only the keys of its own hypothesis. Vectors along D and DV
+ * are contiguous; everything else goes by strides in elements. Types: float32 or bfloat16
+ * (q, k, v, mask and out alike; arithmetic in float32, the output rounded to nearest even).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef uint16_t bf16_t;
+
+static inline float bf16_to_float(bf16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline bf16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((bits >> 16) | 0x40u); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
+    return (bf16_t)(bits >> 16);
+}
+
+/* exp(x) for x <= 0 (Cephes' expf polynomial, ~1 ulp), written so that loops over it
+ * vectorise; x below -87 gives 0. */
+static inline float exp_nonpositive(float x) {
+    const float log2e = 1.44269504088896341f;
+    float clamped = x < -87.0f ? -87.0f : x;
+    float n = (clamped * log2e + 12582912.0f) - 12582912.0f; /* round to nearest */
+    float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x < -87.0f ? 0.0f : y * scale;
+}
+
+/* The parameters, one int64 array (one ctypes argument instead of thirty). Pointers are
+ * addresses; strides in elements of the tensors' type. */
+enum {
+    P_Q, P_K, P_V, P_MASK, P_OUT,
+    P_E, P_H, P_G, P_L, P_D, P_DV,
+    P_Q_E, P_Q_H, P_Q_G,
+    P_K_E, P_K_H, P_K_L,
+    P_V_E, P_V_H, P_V_L,
+    P_M_E, P_M_H, P_M_G, P_M_L,
+    P_OUT_E, P_OUT_H, P_OUT_G,
+    P_BF16, P_THREADS, P_SCALE_BITS, /* 1 = bfloat16; threads; scale as float32 bits */
+    P_COUNT
+};
+
+int64_t nmt_attention_params(void) { return P_COUNT; }
+
+/* Vectors of the CPU's width (GCC/Clang vector extensions): 16 floats where the build
+ * has AVX-512, else 8 (AVX2; two registers per 16-float vector cost spills there: 4x
+ * slower, measured). A 64-wide head is NV of them. Loaded from float32 or bfloat16 without
+ * alignment assumptions. */
+#if defined(__AVX512F__)
+#define LANES 16
+#else
+#define LANES 8
+#endif
+typedef float vf __attribute__((vector_size(4 * LANES)));
+typedef uint32_t vu32 __attribute__((vector_size(4 * LANES)));
+typedef uint16_t vu16 __attribute__((vector_size(2 * LANES)));
+typedef int32_t vi __attribute__((vector_size(4 * LANES)));
+#define NV (64 / LANES)
+/* Lane indices 8..15 of a 16-lane shuffle mask (lane 0 is all that is read afterwards). */
+#if LANES == 16
+#define LANE_TAIL , 8, 9, 10, 11, 12, 13, 14, 15
+#else
+#define LANE_TAIL
+#endif
+
+static inline vf load_f32(const float *x) { vf r; memcpy(&r, x, sizeof r); return r; }
+
+static inline vf load_bf16(const bf16_t *x) {
+    vu16 half;
+    memcpy(&half, x, sizeof half);
+    vu32 wide = __builtin_convertvector(half, vu32) << 16;
+    vf r;
+    memcpy(&r, &wide, sizeof r);
+    return r;
+}
+
+/* The sum of a vector's lanes as a tree (lanes rotated and added, log2(LANES) times), not
+ * dependent scalar adds: without -ffast-math the compiler may not reorder a plain loop's
+ * additions. __builtin_shuffle is GCC's (4.7+), __builtin_shufflevector Clang's. */
+static inline float sum_lanes(vf x) {
+#if defined(__clang__)
+#if LANES == 16
+    x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+#endif
+    x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3 LANE_TAIL);
+    x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5 LANE_TAIL);
+    x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6 LANE_TAIL);
+#else
+#if LANES == 16
+    x += __builtin_shuffle(x, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+#endif
+    x += __builtin_shuffle(x, (vi){4, 5, 6, 7, 0, 1, 2, 3 LANE_TAIL});
+    x += __builtin_shuffle(x, (vi){2, 3, 0, 1, 6, 7, 4, 5 LANE_TAIL});
+    x += __builtin_shuffle(x, (vi){1, 0, 3, 2, 5, 4, 7, 6 LANE_TAIL});
+#endif
+    return x[0];
+}
+
+/* One (entry, head): for each query, the positions the mask allows are listed first
+ * (branch-free), then scored, softmaxed and summed over that list only. Scratch: `scores`
+ * and `index` hold L entries each. D = DV = 64 (every preset's head size) runs on vector
+ * registers (VEC: the vector loader); other sizes on plain loops. */
+#define DEFINE_ATTEND(NAME, T, LOAD, STORE, VEC)                                             \
+static void NAME(const int64_t *p, int64_t e, int64_t h, float *scores, int32_t *index) {    \
+    const T *q = (const T *)p[P_Q], *k = (const T *)p[P_K], *v = (const T *)p[P_V];            \
+    const T *mask = (const T *)p[P_MASK];                                                    \
+    T *out = (T *)p[P_OUT];                                                                  \
+    const int64_t G = p[P_G], L = p[P_L], D = p[P_D], DV = p[P_DV];                          \
+    const int64_t k_l = p[P_K_L], v_l = p[P_V_L], m_l = p[P_M_L];                            \
+    const int vec = D == 64 && DV == 64;                                                     \
+    float scale;                                                                             \
+    const int32_t scale_bits = (int32_t)p[P_SCALE_BITS];                                     \
+    memcpy(&scale, &scale_bits, sizeof scale);                                               \
+    const T *k_eh = k + e * p[P_K_E] + h * p[P_K_H];                                         \
+    const T *v_eh = v + e * p[P_V_E] + h * p[P_V_H];                                         \
+    for (int64_t i = 0; i < G; i++) {                                                        \
+        const T *q_r = q + e * p[P_Q_E] + h * p[P_Q_H] + i * p[P_Q_G];                       \
+        const T *m_r = mask ? mask + e * p[P_M_E] + h * p[P_M_H] + i * p[P_M_G] : NULL;      \
+        int64_t n = 0;                                                                       \
+        for (int64_t pos = 0; pos < L; pos++) {                                              \
+            const float bias = m_r ? LOAD(m_r[pos * m_l]) : 0.0f;                            \
+            index[n] = (int32_t)pos;                                                         \
+            scores[n] = bias;                                                                \
+            n += bias != -INFINITY;                                                          \
+        }                                                                                    \
+        float top = -INFINITY;                                                               \
+        if (vec) {                                                                           \
+            vf qv[NV];                                                                       \
+            for (int c = 0; c < NV; c++) qv[c] = VEC(q_r + c * LANES) * scale;               \
+            for (int64_t j = 0; j < n; j++) {                                                \
+                const T *key = k_eh + index[j] * k_l;                                        \
+                vf a = qv[0] * VEC(key);                                                     \
+                for (int c = 1; c < NV; c++) a += qv[c] * VEC(key + c * LANES);              \
+                const float s = sum_lanes(a) + scores[j];                                    \
+                scores[j] = s;                                                               \
+                top = s > top ? s : top;                                                     \
+            }                                                                                \
+        } else {                                                                             \
+            for (int64_t j = 0; j < n; j++) {                                                \
+                const T *key = k_eh + index[j] * k_l;                                        \
+                float dot = 0.0f;                                                            \
+                for (int64_t c = 0; c < D; c++) dot += LOAD(q_r[c]) * LOAD(key[c]);          \
+                const float s = dot * scale + scores[j];                                     \
+                scores[j] = s;                                                               \
+                top = s > top ? s : top;                                                     \
+            }                                                                                \
+        }                                                                                    \
+        float total = 0.0f;                                                                  \
+        for (int64_t j = 0; j < n; j++) {                                                    \
+            const float w = exp_nonpositive(scores[j] - top);                                \
+            scores[j] = w;                                                                   \
+            total += w;                                                                      \
+        }                                                                                    \
+        const float norm = 1.0f / total;                                                     \
+        T *o = out + e * p[P_OUT_E] + h * p[P_OUT_H] + i * p[P_OUT_G];                       \
+        if (vec) {                                                                           \
+            vf acc[NV];                                                                      \
+            for (int c = 0; c < NV; c++) acc[c] = (vf){0};                                   \
+            for (int64_t j = 0; j < n; j++) {                                                \
+                const float w = scores[j] * norm;                                            \
+                const T *val = v_eh + index[j] * v_l;                                        \
+                for (int c = 0; c < NV; c++) acc[c] += w * VEC(val + c * LANES);             \
+            }                                                                                \
+            for (int c = 0; c < NV; c++)                                                     \
+                for (int l = 0; l < LANES; l++) o[c * LANES + l] = STORE(acc[c][l]);         \
+        } else {                                                                             \
+            for (int64_t c = 0; c < DV; c++) {                                               \
+                float acc = 0.0f;                                                            \
+                for (int64_t j = 0; j < n; j++)                                              \
+                    acc += scores[j] * norm * LOAD(v_eh[index[j] * v_l + c]);                \
+                o[c] = STORE(acc);                                                           \
+            }                                                                                \
+        }                                                                                    \
+    }                                                                                        \
+}
+
+#define LOAD_F32(x) (x)
+#define STORE_F32(x) (x)
+DEFINE_ATTEND(attend_f32, float, LOAD_F32, STORE_F32, load_f32)
+DEFINE_ATTEND(attend_bf16, bf16_t, bf16_to_float, float_to_bf16, load_bf16)
+
+/* Run the step's attention: every (entry, head) pair, over `threads` OpenMP threads (the
+ * runtime PyTorch itself uses, so no second pool). Returns 0, or -1 when the scratch
+ * memory could not be had. */
+int nmt_attention(const int64_t *p) {
+    const int64_t E = p[P_E], H = p[P_H], L = p[P_L];
+    const int threads = (int)p[P_THREADS];
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && E * H >= 2 * threads)
+    {
+        float *scores = malloc((sizeof(float) + sizeof(int32_t)) * (size_t)L);
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        int32_t *index = (int32_t *)(scores + L);
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t e = 0; e < E; e++)
+            for (int64_t h = 0; h < H; h++) {
+                if (!scores) continue; /* every thread still meets the loop's barrier */
+                if (p[P_BF16]) attend_bf16(p, e, h, scores, index);
+                else attend_f32(p, e, h, scores, index);
+            }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}

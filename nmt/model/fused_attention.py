@@ -1,0 +1,223 @@
+"""The CPU decoder step's attention as one C kernel (fused_attention.c), built on first use.
+
+Why: a step's attention in eager PyTorch is 6-8 dispatched ops per layer (scale, scores'
+matmul, mask, softmax, the values' matmul, the copies around them), each a pass over
+memory, and torch's batched matmul calls one small GEMM per (sentence, head) when the
+cache's history is a strided view. The kernel does it in one call and one pass, skipping
+the keys a mask hides (docs/performance.md has the measurements).
+
+How: the C source ships with the package and is compiled once per machine by the system's C
+compiler (`$CC`, else `cc`; gcc or clang), `-O3` for the CPU in use (`-march=native`; with
+ATEN_CPU_CAPABILITY=avx2 or default, as the AVX2 caps set it, for that ISA only) and
+OpenMP (torch's own runtime, already loaded). The library is cached under
+`$XDG_CACHE_HOME/nmt` (~/.cache/nmt), named by a hash of source, flags and compiler, and
+written atomically, so concurrent processes never load a half-written file. It is checked
+once per process against the PyTorch path on a small case. Without a compiler, or when the
+build or the check fails, the PyTorch path runs (the same results to float rounding) and
+one line on stderr says so. NMT_FUSED_ATTENTION=0 (nmt/switches.py) turns it off.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from nmt.switches import switch
+
+SOURCE = Path(__file__).with_suffix(".c")
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_NAMES = ("q", "k", "v", "mask", "out", "E", "H", "G", "L", "D", "DV",
+          "q_e", "q_h", "q_g", "k_e", "k_h", "k_l", "v_e", "v_h", "v_l",
+          "m_e", "m_h", "m_g", "m_l", "out_e", "out_h", "out_g",
+          "bf16", "threads", "scale_bits")
+
+
+def enabled() -> bool:
+    """Whether the kernel is wanted (NMT_FUSED_ATTENTION) and built and checked here."""
+    return switch("NMT_FUSED_ATTENTION") != "0" and _library(_isa_flags()) is not None
+
+
+def keys_layout(keys: Tensor) -> Tensor:
+    """The encoder's keys (b, heads, len, d_k) as `attend_one` reads them best, returned
+    transposed (b, heads, d_k, len): stored as they are (d contiguous) where the kernel
+    runs, else transposed in memory (the PyTorch path's matmul reads contiguous
+    matrices)."""
+    if keys.device.type == "cpu" and keys.dtype in DTYPES and enabled():
+        return keys.contiguous().transpose(-1, -2)
+    return keys.transpose(-1, -2).contiguous()
+
+
+def applies(q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | None) -> bool:
+    """Whether `attend` can take these operands (see there) without copying: CPU, one
+    dtype it knows, vectors contiguous along d, an additive (not boolean) mask, and the
+    kernel `enabled`."""
+    if q.device.type != "cpu" or q.dtype not in DTYPES:
+        return False
+    if k_t.dtype != q.dtype or v.dtype != q.dtype or q.stride(-1) != 1:
+        return False
+    if k_t.stride(-2) != 1 or v.stride(-1) != 1:
+        return False
+    if mask is not None and (mask.dtype != q.dtype or mask.dim() != 4):
+        return False
+    return enabled()
+
+
+def attend(q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """softmax(q k^T / sqrt(d_k) + mask) v for q (b, heads, g, d_k), keys given
+    transposed k_t (b, heads, d_k, len) (stored (b, heads, len, d_k): see `applies`), v (b,
+    heads, len, d_v), `mask` None or additive (0 / -inf) broadcastable to (b, heads, g,
+    len). Returns (b, heads, g, d_v) as a view of a (b, g, heads, d_v) tensor, so that
+    merging the heads is a free reshape."""
+    lib = _library(_isa_flags())
+    assert lib is not None, "fused_attention.attend without enabled()"
+    return _run(lib, q, k_t, v, mask, torch.get_num_threads())
+
+
+def _run(lib: ctypes.CDLL, q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | None,
+         threads: int) -> Tensor:
+    """`attend` through `lib` on `threads` threads."""
+    b, heads, g, d = q.shape
+    length, dv = k_t.size(-1), v.size(-1)
+    out = torch.empty(b, g, heads, dv, dtype=q.dtype)  # (b, g, heads, d_v)
+    view = out.transpose(1, 2)  # (b, heads, g, d_v)
+    keys = k_t.transpose(-1, -2)  # (b, heads, len, d_k), d contiguous
+    if mask is None:
+        m_addr, m_strides = 0, (0, 0, 0, 0)
+    else:
+        full = mask.expand(b, heads, g, length)  # zero strides where broadcast
+        m_addr, m_strides = full.data_ptr(), full.stride()
+    params = array.array("q", (
+        q.data_ptr(), keys.data_ptr(), v.data_ptr(), m_addr, out.data_ptr(),
+        b, heads, g, length, d, dv,
+        *q.stride()[:3], *keys.stride()[:3], *v.stride()[:3], *m_strides,
+        *view.stride()[:3],
+        DTYPES[q.dtype], threads, _float_bits(d ** -0.5)))
+    if lib.nmt_attention(params.buffer_info()[0]) != 0:
+        raise MemoryError("fused attention: no memory for its scratch rows")
+    return view
+
+
+@functools.cache
+def _float_bits(value: float) -> int:
+    """The float32 bit pattern of `value`, as the kernel reads its scale."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
+def _isa_flags() -> tuple[str, ...]:
+    """Compiler flags for the vector ISA in use: the CPU's own (-march=native), or what
+    ATEN_CPU_CAPABILITY caps torch's kernels at, so a capped run measures what a CPU of
+    that class gets."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ("-mcpu=native",) if platform.machine().lower() in ("aarch64", "arm64") else ()
+    cap = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+    if cap == "avx2":
+        return ("-mavx2", "-mfma", "-mf16c")
+    if cap == "default":
+        return ()
+    return ("-march=native",)
+
+
+@functools.cache
+def _library(isa: tuple[str, ...]) -> ctypes.CDLL | None:
+    """The kernel library built for `isa`, loaded and checked; None (said once on stderr)
+    when it cannot be built or disagrees with PyTorch."""
+    try:
+        path = _build(isa)
+    except (OSError, subprocess.SubprocessError, RuntimeError) as err:
+        _say(f"the fused attention kernel could not be built ({err}); decoding uses "
+             "PyTorch's attention, slower on a CPU (install a C compiler, e.g. gcc, for it)")
+        return None
+    lib = ctypes.CDLL(str(path))
+    lib.nmt_attention.argtypes = [ctypes.c_void_p]
+    lib.nmt_attention.restype = ctypes.c_int
+    lib.nmt_attention_params.restype = ctypes.c_int64
+    if lib.nmt_attention_params() != len(_NAMES):
+        _say(f"{path}: a kernel of another version; decoding uses PyTorch's attention")
+        return None
+    try:
+        with torch.autocast("cpu", enabled=False), torch.inference_mode():
+            agrees = _agrees(lib)  # whatever context the first decoding step runs in
+    except RuntimeError:
+        agrees = False
+    if not agrees:
+        _say("the fused attention kernel disagrees with PyTorch here; decoding uses "
+             "PyTorch's attention")
+        return None
+    return lib
+
+
+def _build(isa: tuple[str, ...]) -> Path:
+    """Compile SOURCE for `isa` into the cache (once per source, flags and compiler)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler found (cc, gcc, or $CC)")
+    source = SOURCE.read_bytes()
+    attempts = [(*isa, "-fopenmp"), (*isa, "-fopenmp-simd"), ("-fopenmp-simd",)]
+    errors = []
+    for flags in attempts:
+        key = hashlib.sha256(b"\0".join([source, compiler.encode(), *map(str.encode, flags)]))
+        target = _cache_dir() / f"fused_attention-{key.hexdigest()[:16]}.so"
+        if target.exists():
+            return target
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            proc = subprocess.run([compiler, "-O3", *flags, "-shared", "-fPIC", "-o",
+                                   str(built), str(SOURCE)], capture_output=True, text=True,
+                                  timeout=120, check=False)
+            if proc.returncode == 0:
+                os.replace(built, target)  # atomic: another process sees all or nothing
+                return target
+            errors.append(proc.stderr.strip().splitlines()[-1:] or ["failed"])
+    raise RuntimeError(f"{compiler}: {errors[0][0]}")
+
+
+def _cache_dir() -> Path:
+    """Where built kernels are kept: $XDG_CACHE_HOME/nmt (~/.cache/nmt), made if absent;
+    a temporary directory when that cannot be written."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nmt"
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        if os.access(base, os.W_OK):
+            return base
+    except OSError:
+        pass
+    fallback = Path(tempfile.gettempdir()) / f"nmt-{os.getuid() if hasattr(os, 'getuid') else 0}"
+    fallback.mkdir(parents=True, exist_ok=True)
+    return fallback
+
+
+def _agrees(lib: ctypes.CDLL) -> bool:
+    """The kernel against the written-out softmax on a small masked case, float32 and
+    bfloat16 (the grouped cache's shapes: 3 entries, 2 heads, 4 queries, 9 keys)."""
+    gen = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        q = torch.randn(3, 4, 2, 64, generator=gen).transpose(1, 2).to(dtype)  # (3, 2, 4, 64)
+        keys = torch.randn(3, 2, 9, 64, generator=gen).to(dtype)  # (b, heads, len, d)
+        v = torch.randn(3, 2, 9, 64, generator=gen).to(dtype)
+        allowed = torch.rand(3, 1, 4, 9, generator=gen) > 0.4
+        allowed[..., 0] = True  # every query sees a key
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+        scores = (q.float() @ keys.float().transpose(-1, -2)) * 64 ** -0.5 + mask.float()
+        want = scores.softmax(-1) @ v.float()  # (3, 2, 4, 64)
+        got = _run(lib, q, keys.transpose(-1, -2), v, mask, 1)
+        if not torch.allclose(got.float(), want, atol=tol, rtol=tol):
+            return False
+    return True
+
+
+def _say(text: str) -> None:
+    """One line on stderr, for what the user would want to know about their setup."""
+    print(f"nmt: {text}", file=sys.stderr)
