@@ -127,10 +127,26 @@ static inline float sum_lanes(vf x) {
 
 /* One (entry, head): for each query, the positions the mask allows are listed first
  * (branch-free), then scored, softmaxed and summed over that list only. Scratch: `scores`
- * and `index` hold L entries each. D = DV = 64 (every preset's head size) runs on vector
- * registers (VEC: the vector loader); other sizes on plain loops. */
-#define DEFINE_ATTEND(NAME, T, LOAD, STORE, VEC)                                             \
-static void NAME(const int64_t *p, int64_t e, int64_t h, float *scores, int32_t *index) {    \
+ * holds L floats, `lists` and `biases` G * L. D = DV = 64 (every preset's head size) runs on
+ * vector registers (VEC: the vector loader); other sizes on plain loops. */
+#define DEFINE_ATTEND(NAME, LIST, T, LOAD, STORE, VEC)                                       \
+/* The positions row `m_r` of an additive mask allows (all L without a mask) into `index`,   \
+ * their mask values into `bias`; returns how many. Branch-free. */                          \
+static int64_t LIST(const T *m_r, int64_t m_l, int64_t L, int32_t *index, float *bias) {     \
+    int64_t n = 0;                                                                           \
+    for (int64_t pos = 0; pos < L; pos++) {                                                  \
+        const float b = m_r ? LOAD(m_r[pos * m_l]) : 0.0f;                                   \
+        index[n] = (int32_t)pos;                                                             \
+        bias[n] = b;                                                                         \
+        n += b != -INFINITY;                                                                 \
+    }                                                                                        \
+    return n;                                                                                \
+}                                                                                            \
+                                                                                             \
+/* Lists: per query i at index + i * L (bias likewise, counts[i]) when `listed` (the mask    \
+ * is the same for every head, so the entry's lists were made once), else made here. */      \
+static void NAME(const int64_t *p, int64_t e, int64_t h, float *scores, int32_t *lists,       \
+                 float *biases, const int64_t *counts, int listed) {                         \
     const T *q = (const T *)p[P_Q], *k = (const T *)p[P_K], *v = (const T *)p[P_V];            \
     const T *mask = (const T *)p[P_MASK];                                                    \
     T *out = (T *)p[P_OUT];                                                                  \
@@ -145,13 +161,9 @@ static void NAME(const int64_t *p, int64_t e, int64_t h, float *scores, int32_t 
     for (int64_t i = 0; i < G; i++) {                                                        \
         const T *q_r = q + e * p[P_Q_E] + h * p[P_Q_H] + i * p[P_Q_G];                       \
         const T *m_r = mask ? mask + e * p[P_M_E] + h * p[P_M_H] + i * p[P_M_G] : NULL;      \
-        int64_t n = 0;                                                                       \
-        for (int64_t pos = 0; pos < L; pos++) {                                              \
-            const float bias = m_r ? LOAD(m_r[pos * m_l]) : 0.0f;                            \
-            index[n] = (int32_t)pos;                                                         \
-            scores[n] = bias;                                                                \
-            n += bias != -INFINITY;                                                          \
-        }                                                                                    \
+        const int32_t *index = listed ? lists + i * L : lists;                               \
+        const float *bias = listed ? biases + i * L : biases;                                \
+        const int64_t n = listed ? counts[i] : LIST(m_r, m_l, L, lists, biases);             \
         float top = -INFINITY;                                                               \
         if (vec) {                                                                           \
             vf qv[NV];                                                                       \
@@ -160,7 +172,7 @@ static void NAME(const int64_t *p, int64_t e, int64_t h, float *scores, int32_t 
                 const T *key = k_eh + index[j] * k_l;                                        \
                 vf a = qv[0] * VEC(key);                                                     \
                 for (int c = 1; c < NV; c++) a += qv[c] * VEC(key + c * LANES);              \
-                const float s = sum_lanes(a) + scores[j];                                    \
+                const float s = sum_lanes(a) + bias[j];                                      \
                 scores[j] = s;                                                               \
                 top = s > top ? s : top;                                                     \
             }                                                                                \
@@ -169,7 +181,7 @@ static void NAME(const int64_t *p, int64_t e, int64_t h, float *scores, int32_t 
                 const T *key = k_eh + index[j] * k_l;                                        \
                 float dot = 0.0f;                                                            \
                 for (int64_t c = 0; c < D; c++) dot += LOAD(q_r[c]) * LOAD(key[c]);          \
-                const float s = dot * scale + scores[j];                                     \
+                const float s = dot * scale + bias[j];                                       \
                 scores[j] = s;                                                               \
                 top = s > top ? s : top;                                                     \
             }                                                                                \
@@ -205,32 +217,47 @@ static void NAME(const int64_t *p, int64_t e, int64_t h, float *scores, int32_t 
 
 #define LOAD_F32(x) (x)
 #define STORE_F32(x) (x)
-DEFINE_ATTEND(attend_f32, float, LOAD_F32, STORE_F32, load_f32)
-DEFINE_ATTEND(attend_bf16, bf16_t, bf16_to_float, float_to_bf16, load_bf16)
+DEFINE_ATTEND(attend_f32, list_f32, float, LOAD_F32, STORE_F32, load_f32)
+DEFINE_ATTEND(attend_bf16, list_bf16, bf16_t, bf16_to_float, float_to_bf16, load_bf16)
 
-/* Run the step's attention: every (entry, head) pair, over `threads` OpenMP threads (the
- * runtime PyTorch itself uses, so no second pool). Returns 0, or -1 when the scratch
- * memory could not be had. */
+/* Run the step's attention: every entry, its heads and queries, over `threads` OpenMP
+ * threads (the runtime PyTorch itself uses, so no second pool) split by entry. A mask
+ * shared by the heads (the caches' masks) is listed once per entry and query. Returns 0, or
+ * -1 when the scratch memory could not be had. */
 int nmt_attention(const int64_t *p) {
-    const int64_t E = p[P_E], H = p[P_H], L = p[P_L];
+    const int64_t E = p[P_E], H = p[P_H], G = p[P_G], L = p[P_L];
     const int threads = (int)p[P_THREADS];
+    const int listed = !p[P_MASK] || p[P_M_H] == 0;
     int failed = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1 && E * H >= 2 * threads)
+#pragma omp parallel num_threads(threads) if (threads > 1 && E >= 2 * threads)
     {
-        float *scores = malloc((sizeof(float) + sizeof(int32_t)) * (size_t)L);
-        if (!scores) {
+        /* scores (L), lists (G * L), biases (G * L), counts (G) */
+        const size_t floats = (size_t)(L + 2 * G * L + 2 * G);
+        float *scratch = malloc(sizeof(float) * floats);
+        if (!scratch) {
 #pragma omp atomic write
             failed = 1;
         }
-        int32_t *index = (int32_t *)(scores + L);
-#pragma omp for schedule(static) collapse(2)
-        for (int64_t e = 0; e < E; e++)
-            for (int64_t h = 0; h < H; h++) {
-                if (!scores) continue; /* every thread still meets the loop's barrier */
-                if (p[P_BF16]) attend_bf16(p, e, h, scores, index);
-                else attend_f32(p, e, h, scores, index);
+        float *scores = scratch, *biases = scratch + L + G * L;
+        int32_t *lists = (int32_t *)(scratch + L);
+        int64_t *counts = (int64_t *)(biases + G * L);
+#pragma omp for schedule(static)
+        for (int64_t e = 0; e < E; e++) {
+            if (!scratch) continue; /* every thread still meets the loop's barrier */
+            for (int64_t i = 0; listed && i < G; i++) {
+                const int64_t row = e * p[P_M_E] + i * p[P_M_G];
+                counts[i] = p[P_BF16]
+                    ? list_bf16(p[P_MASK] ? (const bf16_t *)p[P_MASK] + row : NULL, p[P_M_L],
+                                L, lists + i * L, biases + i * L)
+                    : list_f32(p[P_MASK] ? (const float *)p[P_MASK] + row : NULL, p[P_M_L],
+                               L, lists + i * L, biases + i * L);
             }
-        free(scores);
+            for (int64_t h = 0; h < H; h++) {
+                if (p[P_BF16]) attend_bf16(p, e, h, scores, lists, biases, counts, listed);
+                else attend_f32(p, e, h, scores, lists, biases, counts, listed);
+            }
+        }
+        free(scratch);
     }
     return failed ? -1 : 0;
 }
