@@ -224,8 +224,8 @@ def attend_one(q: Tensor, k_t: Tensor, v: Tensor, attn_mask: Tensor | None) -> T
 
     Incremental decoding groups the g beam rows of one sentence as the g queries of one
     entry, so the sentence's keys are read from memory once, not once per row. On GPU
-    this is SDPA; on CPU the C kernel of nmt/model/fused_attention.py when it applies
-    (keys stored (b, heads, len, d_k), an additive mask), else: SDPA's CPU flash kernel
+    this is SDPA; on CPU the C kernel of nmt/model/fused_attention.py when it takes the
+    operands (keys stored (b, heads, len, d_k), an additive mask), else: SDPA's CPU flash kernel
     has a high fixed cost for so few queries
     (about 2x slower than two batched matmuls at beam-search shapes, see
     bench/model_speed.py), so the softmax is written out there, with as few passes over
@@ -237,8 +237,9 @@ def attend_one(q: Tensor, k_t: Tensor, v: Tensor, attn_mask: Tensor | None) -> T
     """
     if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k_t.transpose(-1, -2), v, attn_mask=attn_mask)
-    if fused_attention.applies(q, k_t, v, attn_mask):
-        return fused_attention.attend(q, k_t, v, attn_mask)  # (b, heads, g, d_v)
+    fused = fused_attention.attend(q, k_t, v, attn_mask)  # (b, heads, g, d_v) or None
+    if fused is not None:
+        return fused
     scaled = torch.empty(q.shape, dtype=q.dtype)  # (b, heads, g, d_k), contiguous
     torch.mul(q, q.size(-1) ** -0.5, out=scaled)  # exact for d_k = 64 (a power of two)
     scores = apply_mask_(scaled @ k_t, attn_mask)  # (b, heads, g, len)

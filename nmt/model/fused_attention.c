@@ -6,8 +6,9 @@
  * passes over memory on the same (nmt/model/fused_attention.py builds and calls this;
  * docs/performance.md has the measurements).
  *
- * Shapes: q (E, H, G, D), k (E, H, L, D), v (E, H, L, DV), mask (E, H, G, L) additive
- * (0 / -inf, broadcast by zero strides) or none, out (E, H, G, DV). Incremental decoding
+ * Shapes: q (E, H, G, D), k (E, H, L, D), v (E, H, L, DV), mask (E, 1, G, L) additive
+ * (0 / -inf, the same for every head; broadcast by zero strides) or none, out (E, H, G,
+ * DV). Incremental decoding
  * folds a sentence's G beam rows as the G queries of its entry; with the grouped cache's
  * slot mask each query reads only the keys of its own hypothesis. Vectors along D and DV
  * are contiguous; everything else goes by strides in elements. Types: float32 or bfloat16
@@ -63,7 +64,7 @@ enum {
     P_Q_E, P_Q_H, P_Q_G,
     P_K_E, P_K_H, P_K_L,
     P_V_E, P_V_H, P_V_L,
-    P_M_E, P_M_H, P_M_G, P_M_L,
+    P_M_E, P_M_G, P_M_L,
     P_OUT_E, P_OUT_H, P_OUT_G,
     P_BF16, P_THREADS, P_SCALE_BITS, /* 1 = bfloat16; threads; scale as float32 bits */
     P_COUNT
@@ -143,15 +144,14 @@ static int64_t LIST(const T *m_r, int64_t m_l, int64_t L, int32_t *index, float 
     return n;                                                                                \
 }                                                                                            \
                                                                                              \
-/* Lists: per query i at index + i * L (bias likewise, counts[i]) when `listed` (the mask    \
- * is the same for every head, so the entry's lists were made once), else made here. */      \
-static void NAME(const int64_t *p, int64_t e, int64_t h, float *scores, int32_t *lists,       \
-                 float *biases, const int64_t *counts, int listed) {                         \
+/* The entry's lists, made once for all its heads: query i's at lists + i * L, its mask    \
+ * values at biases + i * L, counts[i] of them. */                                          \
+static void NAME(const int64_t *p, int64_t e, int64_t h, float *scores, const int32_t *lists, \
+                 const float *biases, const int64_t *counts) {                               \
     const T *q = (const T *)p[P_Q], *k = (const T *)p[P_K], *v = (const T *)p[P_V];            \
-    const T *mask = (const T *)p[P_MASK];                                                    \
     T *out = (T *)p[P_OUT];                                                                  \
     const int64_t G = p[P_G], L = p[P_L], D = p[P_D], DV = p[P_DV];                          \
-    const int64_t k_l = p[P_K_L], v_l = p[P_V_L], m_l = p[P_M_L];                            \
+    const int64_t k_l = p[P_K_L], v_l = p[P_V_L];                                            \
     const int vec = D == 64 && DV == 64;                                                     \
     float scale;                                                                             \
     const int32_t scale_bits = (int32_t)p[P_SCALE_BITS];                                     \
@@ -160,10 +160,9 @@ static void NAME(const int64_t *p, int64_t e, int64_t h, float *scores, int32_t 
     const T *v_eh = v + e * p[P_V_E] + h * p[P_V_H];                                         \
     for (int64_t i = 0; i < G; i++) {                                                        \
         const T *q_r = q + e * p[P_Q_E] + h * p[P_Q_H] + i * p[P_Q_G];                       \
-        const T *m_r = mask ? mask + e * p[P_M_E] + h * p[P_M_H] + i * p[P_M_G] : NULL;      \
-        const int32_t *index = listed ? lists + i * L : lists;                               \
-        const float *bias = listed ? biases + i * L : biases;                                \
-        const int64_t n = listed ? counts[i] : LIST(m_r, m_l, L, lists, biases);             \
+        const int32_t *index = lists + i * L;                                                \
+        const float *bias = biases + i * L;                                                  \
+        const int64_t n = counts[i];                                                         \
         float top = -INFINITY;                                                               \
         if (vec) {                                                                           \
             vf qv[NV];                                                                       \
@@ -221,13 +220,12 @@ DEFINE_ATTEND(attend_f32, list_f32, float, LOAD_F32, STORE_F32, load_f32)
 DEFINE_ATTEND(attend_bf16, list_bf16, bf16_t, bf16_to_float, float_to_bf16, load_bf16)
 
 /* Run the step's attention: every entry, its heads and queries, over `threads` OpenMP
- * threads (the runtime PyTorch itself uses, so no second pool) split by entry. A mask
- * shared by the heads (the caches' masks) is listed once per entry and query. Returns 0, or
- * -1 when the scratch memory could not be had. */
+ * threads (the runtime PyTorch itself uses, so no second pool) split by entry. The mask is
+ * listed once per entry and query, for all heads. Returns 0, or -1 when the scratch memory
+ * could not be had. */
 int nmt_attention(const int64_t *p) {
     const int64_t E = p[P_E], H = p[P_H], G = p[P_G], L = p[P_L];
     const int threads = (int)p[P_THREADS];
-    const int listed = !p[P_MASK] || p[P_M_H] == 0;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && E >= 2 * threads)
     {
@@ -244,7 +242,7 @@ int nmt_attention(const int64_t *p) {
 #pragma omp for schedule(static)
         for (int64_t e = 0; e < E; e++) {
             if (!scratch) continue; /* every thread still meets the loop's barrier */
-            for (int64_t i = 0; listed && i < G; i++) {
+            for (int64_t i = 0; i < G; i++) {
                 const int64_t row = e * p[P_M_E] + i * p[P_M_G];
                 counts[i] = p[P_BF16]
                     ? list_bf16(p[P_MASK] ? (const bf16_t *)p[P_MASK] + row : NULL, p[P_M_L],
@@ -253,8 +251,8 @@ int nmt_attention(const int64_t *p) {
                                L, lists + i * L, biases + i * L);
             }
             for (int64_t h = 0; h < H; h++) {
-                if (p[P_BF16]) attend_bf16(p, e, h, scores, lists, biases, counts, listed);
-                else attend_f32(p, e, h, scores, lists, biases, counts, listed);
+                if (p[P_BF16]) attend_bf16(p, e, h, scores, lists, biases, counts);
+                else attend_f32(p, e, h, scores, lists, biases, counts);
             }
         }
         free(scratch);

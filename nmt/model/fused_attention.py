@@ -39,15 +39,19 @@ from nmt.switches import switch
 
 SOURCE = Path(__file__).with_suffix(".c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_NAMES = ("q", "k", "v", "mask", "out", "E", "H", "G", "L", "D", "DV",
-          "q_e", "q_h", "q_g", "k_e", "k_h", "k_l", "v_e", "v_h", "v_l",
-          "m_e", "m_h", "m_g", "m_l", "out_e", "out_h", "out_g",
-          "bf16", "threads", "scale_bits")
+PARAMS = 29  # the parameter block's length: P_COUNT of the C source's enum
 
 
 def enabled() -> bool:
     """Whether the kernel is wanted (NMT_FUSED_ATTENTION) and built and checked here."""
-    return switch("NMT_FUSED_ATTENTION") != "0" and _library(_isa_flags()) is not None
+    return _current() is not None
+
+
+def _current() -> ctypes.CDLL | None:
+    """The kernel library for the ISA in use, None when switched off or unavailable."""
+    if switch("NMT_FUSED_ATTENTION") == "0":
+        return None
+    return _library(_isa_flags())
 
 
 def keys_layout(keys: Tensor) -> Tensor:
@@ -61,29 +65,35 @@ def keys_layout(keys: Tensor) -> Tensor:
 
 
 def applies(q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | None) -> bool:
-    """Whether `attend` can take these operands (see there) without copying: CPU, one
-    dtype it knows, vectors contiguous along d, an additive (not boolean) mask, and the
-    kernel `enabled`."""
-    if q.device.type != "cpu" or q.dtype not in DTYPES:
-        return False
-    if k_t.dtype != q.dtype or v.dtype != q.dtype or q.stride(-1) != 1:
-        return False
-    if k_t.stride(-2) != 1 or v.stride(-1) != 1:
-        return False
-    if mask is not None and (mask.dtype != q.dtype or mask.dim() != 4):
-        return False
-    return enabled()
+    """Whether `attend` takes these operands (see there) instead of returning None."""
+    return _kernel_for(q, k_t, v, mask) is not None
 
 
-def attend(q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+def attend(q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | None) -> Tensor | None:
     """softmax(q k^T / sqrt(d_k) + mask) v for q (b, heads, g, d_k), keys given
-    transposed k_t (b, heads, d_k, len) (stored (b, heads, len, d_k): see `applies`), v (b,
-    heads, len, d_v), `mask` None or additive (0 / -inf) broadcastable to (b, heads, g,
-    len). Returns (b, heads, g, d_v) as a view of a (b, g, heads, d_v) tensor, so that
-    merging the heads is a free reshape."""
-    lib = _library(_isa_flags())
-    assert lib is not None, "fused_attention.attend without enabled()"
-    return _run(lib, q, k_t, v, mask, torch.get_num_threads())
+    transposed k_t (b, heads, d_k, len) (stored (b, heads, len, d_k)), v (b, heads, len,
+    d_v), `mask` None or additive (0 / -inf) broadcastable to (b, 1, g, len). Returns (b,
+    heads, g, d_v) as a view of a (b, g, heads, d_v) tensor, so that merging the heads is a
+    free reshape; None when the kernel cannot take the operands without copying (see
+    `_kernel_for`) or is off: then the caller computes it another way."""
+    lib = _kernel_for(q, k_t, v, mask)
+    return None if lib is None else _run(lib, q, k_t, v, mask, torch.get_num_threads())
+
+
+def _kernel_for(q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | None
+                ) -> ctypes.CDLL | None:
+    """The library when it can take these operands as they are: CPU, one dtype it knows,
+    vectors contiguous along d, an additive (not boolean) mask the same for every head;
+    and the kernel on."""
+    if q.device.type != "cpu" or q.dtype not in DTYPES:
+        return None
+    if k_t.dtype != q.dtype or v.dtype != q.dtype or q.stride(-1) != 1:
+        return None
+    if k_t.stride(-2) != 1 or v.stride(-1) != 1:
+        return None
+    if mask is not None and (mask.dtype != q.dtype or mask.dim() != 4 or mask.size(1) != 1):
+        return None
+    return _current()
 
 
 def _run(lib: ctypes.CDLL, q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | None,
@@ -95,10 +105,11 @@ def _run(lib: ctypes.CDLL, q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | Non
     view = out.transpose(1, 2)  # (b, heads, g, d_v)
     keys = k_t.transpose(-1, -2)  # (b, heads, len, d_k), d contiguous
     if mask is None:
-        m_addr, m_strides = 0, (0, 0, 0, 0)
+        m_addr, m_strides = 0, (0, 0, 0)
     else:
-        full = mask.expand(b, heads, g, length)  # zero strides where broadcast
-        m_addr, m_strides = full.data_ptr(), full.stride()
+        full = mask.expand(b, 1, g, length)  # zero strides where broadcast
+        entry, _, query, position = full.stride()
+        m_addr, m_strides = full.data_ptr(), (entry, query, position)
     params = array.array("q", (
         q.data_ptr(), keys.data_ptr(), v.data_ptr(), m_addr, out.data_ptr(),
         b, heads, g, length, d, dv,
@@ -120,8 +131,9 @@ def _isa_flags() -> tuple[str, ...]:
     """Compiler flags for the vector ISA in use: the CPU's own (-march=native), or what
     ATEN_CPU_CAPABILITY caps torch's kernels at, so a capped run measures what a CPU of
     that class gets."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return ("-mcpu=native",) if platform.machine().lower() in ("aarch64", "arm64") else ()
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64"):
+        return ("-mcpu=native",) if machine in ("aarch64", "arm64") else ()
     cap = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
     if cap == "avx2":
         return ("-mavx2", "-mfma", "-mf16c")
@@ -144,7 +156,7 @@ def _library(isa: tuple[str, ...]) -> ctypes.CDLL | None:
     lib.nmt_attention.argtypes = [ctypes.c_void_p]
     lib.nmt_attention.restype = ctypes.c_int
     lib.nmt_attention_params.restype = ctypes.c_int64
-    if lib.nmt_attention_params() != len(_NAMES):
+    if lib.nmt_attention_params() != PARAMS:
         _say(f"{path}: a kernel of another version; decoding uses PyTorch's attention")
         return None
     try:

@@ -121,6 +121,10 @@ def test_operands_it_cannot_take_go_to_pytorch() -> None:
     for got in (attend_one(q, contiguous_t, v, mask), attend_one(q, k_t, v, boolean)):
         torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=2e-6)
     assert not fused_attention.applies(q.double(), k_t.double(), v.double(), None)
+    per_head = mask.expand(-1, 2, -1, -1).contiguous()  # a mask that differs by head
+    assert not fused_attention.applies(q, k_t, v, per_head)
+    torch.testing.assert_close(attend_one(q, k_t, v, per_head).double(), want,
+                               atol=2e-6, rtol=2e-6)
 
 
 def test_without_a_compiler_decoding_goes_on_and_says_so_once(tmp_path) -> None:
