@@ -58,12 +58,13 @@ def test_wheel_ships_the_recipes(tmp_path: Path) -> None:
     assert listed.returncode == 0, listed.stderr
     assert [line.split("\t")[0] for line in listed.stdout.splitlines()] == recipe_names()
     assert len(recipe_names()) >= 3
-    # the attention kernel's C source ships too, and builds from the installed package
-    kernel = _run(python, "-c", "import shutil, nmt; from nmt.model import fused_attention as f; "
-                  "print(f.SOURCE.is_relative_to(nmt.__path__[0]), f.SOURCE.is_file(), "
-                  "f.enabled() or shutil.which('cc') is None)", cwd=tmp_path)
-    assert kernel.returncode == 0, kernel.stderr
-    assert kernel.stdout.split() == ["True", "True", "True"], kernel.stdout
+    # the C kernels' sources ship too, and build from the installed package
+    for module in ("nmt.model.fused_attention", "nmt.inference.step_topk"):
+        kernel = _run(python, "-c", f"import shutil, nmt, {module} as f; "
+                      "print(f.SOURCE.is_relative_to(nmt.__path__[0]), f.SOURCE.is_file(), "
+                      "f.enabled() or shutil.which('cc') is None)", cwd=tmp_path)
+        assert kernel.returncode == 0, kernel.stderr
+        assert kernel.stdout.split() == ["True", "True", "True"], (module, kernel.stdout)
 
 
 def test_package_data_patterns_cover_every_recipe() -> None:

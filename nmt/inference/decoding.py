@@ -6,7 +6,7 @@ opens an empty key/value cache: `GroupedCache` (nmt/inference/kv_cache.py), or a
 `decode_step` feeds each row's newest token at the next position and returns next-token
 logits for that position only; each decoder layer sees its cache through one interface
 (`LayerCache`, nmt/model/incremental.py). `ModelStepDecoder` adapts this to the search's
-`StepDecoder` protocol (nmt/inference/search.py): float32 log-probabilities, row reordering,
+`StepDecoder` protocol (nmt/inference/search.py): next-token logits, row reordering,
 finished rows skipped; search code never sees a cache. `greedy_search` is the one-call
 greedy decoder validation uses.
 
@@ -230,21 +230,19 @@ class ModelStepDecoder:
             self._workspace.give_back(self._logits)
 
     def step(self, tokens: Tensor) -> Tensor:
-        """Next-token log-probabilities in float32 whatever the model's precision (over
-        the shortlist's columns when there is one: normalised over them). A view of this
-        decoder's buffer, which the next step overwrites: copy what must outlive it."""
-        logits = decode_step(self.model, self._ids(tokens), self.state,
-                             out=self._out(tokens.numel()), projection=self.projection,
-                             weight=self.weight)
-        return self._log_softmax(logits)
+        """Next-token logits (N, V) in the model's precision (over the shortlist's columns
+        when there is one); the search normalises them. A view of this decoder's buffer,
+        which the next step overwrites: copy what must outlive it."""
+        return decode_step(self.model, self._ids(tokens), self.state,
+                           out=self._out(tokens.numel()), projection=self.projection,
+                           weight=self.weight)
 
     def step_rows(self, tokens: Tensor, rows: Tensor, n_rows: int) -> Tensor:
-        """Like `step` for rows `rows` (m,) of the `n_rows` only, `tokens` (m,) -> log-probs
+        """Like `step` for rows `rows` (m,) of the `n_rows` only, `tokens` (m,) -> logits
         (m, V); the other rows are finished for good (see `decode_step`)."""
-        logits = decode_step(self.model, self._ids(tokens), self.state, live=rows,
-                             out=self._out(tokens.numel()), projection=self.projection,
-                             weight=self.weight)
-        return self._log_softmax(logits)
+        return decode_step(self.model, self._ids(tokens), self.state, live=rows,
+                           out=self._out(tokens.numel()), projection=self.projection,
+                           weight=self.weight)
 
     def _ids(self, tokens: Tensor) -> Tensor:
         """The token ids of the search's columns (the same without a shortlist)."""
@@ -277,12 +275,6 @@ class ModelStepDecoder:
                 or self._logits.dtype != weight.dtype):
             self._logits = weight.new_empty(rows, weight.size(0))  # (rows, V)
         return self._logits
-
-    @staticmethod
-    def _log_softmax(logits: Tensor) -> Tensor:
-        """log_softmax over the vocabulary in float32, in place when already float32."""
-        logits = logits.float()  # (N, V); a copy only for bf16/fp16 models
-        return torch.log_softmax(logits, dim=-1, out=logits)
 
 
 @torch.no_grad()

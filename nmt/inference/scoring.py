@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nmt.errors import UsageError
-from nmt.inference.search import EnsembleStepDecoder
+from nmt.inference.search import EnsembleStepDecoder, normalised
 from nmt.special_ids import BOS_ID, EOS_ID, PAD_ID
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ def _score_batch(translator: Engine, sources: list[list[int]], targets: list[lis
         decoder = EnsembleStepDecoder([members.enter_context(w.decoder(src))
                                        for w in translator.workspaces])
         for t in range(steps):
-            log_probs = decoder.step(feed[:, t])  # (B, V) float32
+            log_probs = normalised(decoder.step(feed[:, t]))  # (B, V) float32
             picked = log_probs.gather(1, gold[:, t : t + 1].clamp(min=0)).squeeze(1)  # (B,)
             total += picked.double().masked_fill(gold[:, t] == PAD_ID, 0.0)
     return [(float(lp), len(tgt) + 1) for lp, tgt in zip(total.tolist(), targets, strict=True)]

@@ -1,12 +1,14 @@
 """Greedy, beam and sampling search over a step decoder; no file I/O, no printing.
 
 Everything here works on a `StepDecoder`: something that, given the newest token of every row,
-returns next-token log-probabilities, and that can reorder its rows. The model adapter
+returns next-token logits (log-probabilities up to a constant per row: the search normalises
+them), and that can reorder its rows. The model adapter
 (`ModelStepDecoder`, nmt/inference/decoding.py) encodes the source once and then feeds the
 incremental decoder; `EnsembleStepDecoder` averages several step decoders. Tests drive the same
 search with a fake decoder whose probabilities are a hand-written table. Imports torch and the
-special ids only: the settings (beam, alpha, lengths) come from the caller, whose defaults live
-in `nmt.config.DecodeConfig`.
+special ids only, and on a CPU the C kernel that ranks a beam search step's candidates
+(nmt/inference/step_topk.py; PyTorch's ops elsewhere): the settings (beam, alpha, lengths)
+come from the caller, whose defaults live in `nmt.config.DecodeConfig`.
 
 Conventions (documented in `nmt translate --help`):
 - A hypothesis is `pieces + [EOS]`; its length |Y| for the length penalty COUNTS the EOS
@@ -43,6 +45,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from nmt.inference.step_topk import FREE, NONE, row_topk
 from nmt.special_ids import BOS_ID, EOS_ID, PAD_ID
 
 NEG_INF = float("-inf")
@@ -62,14 +65,20 @@ class Hypothesis:
 class StepDecoder(Protocol):
     """Incremental next-token scorer over N rows: the search's only view of a model, every
     method required (`FullStepDecoder` derives the last three for a decoder that can only
-    step all its rows and reorder them)."""
+    step all its rows and reorder them).
+
+    A step returns logits: log-probabilities up to a constant per row (a decoder that has
+    log-probabilities returns them as they are), float32 or the model's float type, in a
+    buffer the search may overwrite and the next step may reuse. The search normalises
+    them (`normalised`, or fused with the beam's top-k), so a model never writes out a
+    (N, V) log-softmax that the search would only rank."""
 
     def step(self, tokens: Tensor) -> Tensor:
-        """Feed the newest token of each row, (N,) long -> log-probs (N, V) float32."""
+        """Feed the newest token of each row, (N,) long -> logits (N, V)."""
         ...
 
     def step_rows(self, tokens: Tensor, rows: Tensor, n_rows: int) -> Tensor:
-        """Log-probs (m, V) of rows `rows` (m,) of the `n_rows` held, fed `tokens` (m,);
+        """Logits (m, V) of rows `rows` (m,) of the `n_rows` held, fed `tokens` (m,);
         the other rows are finished for good (the model skips their matmuls)."""
         ...
 
@@ -97,7 +106,7 @@ class FullStepDecoder(ABC):
 
     @abstractmethod
     def step(self, tokens: Tensor) -> Tensor:
-        """Feed the newest token of each row, (N,) long -> log-probs (N, V) float32."""
+        """Feed the newest token of each row, (N,) long -> logits (N, V)."""
 
     @abstractmethod
     def reorder(self, new_order: Tensor) -> None:
@@ -129,19 +138,20 @@ class EnsembleStepDecoder:
         self.decoders = list(decoders)
 
     def step(self, tokens: Tensor) -> Tensor:
-        """Log of the mean probability over members, (N,) -> (N, V)."""
+        """Log of the mean probability over members, (N,) -> (N, V); one member's logits
+        as they are."""
         return self._mean([d.step(tokens) for d in self.decoders])
 
     def step_rows(self, tokens: Tensor, rows: Tensor, n_rows: int) -> Tensor:
         """`step` for rows `rows` (m,) only, `tokens` (m,) -> (m, V)."""
         return self._mean([d.step_rows(tokens, rows, n_rows) for d in self.decoders])
 
-    def _mean(self, log_probs: list[Tensor]) -> Tensor:
-        """log(mean of the members' probabilities) of their (rows, V) log-probs."""
-        if len(log_probs) == 1:
-            return log_probs[0]
-        stacked = torch.stack(log_probs)  # (M, rows, V)
-        return torch.logsumexp(stacked, dim=0) - math.log(len(log_probs))
+    def _mean(self, logits: list[Tensor]) -> Tensor:
+        """log(mean of the members' probabilities) of their (rows, V) logits."""
+        if len(logits) == 1:
+            return logits[0]
+        stacked = torch.stack([normalised(x) for x in logits])  # (M, rows, V)
+        return torch.logsumexp(stacked, dim=0) - math.log(len(logits))
 
     def reorder(self, new_order: Tensor) -> None:
         """Reorder every member the same way."""
@@ -157,6 +167,13 @@ class EnsembleStepDecoder:
         """Pass the length limit on to every member."""
         for decoder in self.decoders:
             decoder.reserve(positions)
+
+
+def normalised(logits: Tensor) -> Tensor:
+    """A step's logits (N, V) as float32 log-probabilities: log_softmax, in place when they
+    are float32 already."""
+    logits = logits.float()  # a copy only for bf16/fp16 models
+    return torch.log_softmax(logits, dim=-1, out=logits)
 
 
 def length_penalty(length: Tensor | float, alpha: float) -> Tensor:
@@ -280,7 +297,7 @@ def beam_search(decoder: StepDecoder, max_lens: Tensor, *, beam: int, alpha: flo
                          count_finished=early_stop == "beam")
     out = _Finished.empty(n_sent, nbest, width, max_lens.device)
     for t in range(width - 1):
-        cand = _best_candidates(beams.next_log_probs(decoder, t, min_len), beams.scores)
+        cand = _best_candidates(*beams.next_candidates(decoder, t, min_len), beams.scores)
         beams.finish(cand, t)
         keep_beam = beams.extend(cand, t)
         beams.reorder_decoder(decoder, keep_beam, t)
@@ -301,22 +318,60 @@ class _Candidates:
     is_eos: Tensor  # token == EOS
 
 
-def _best_candidates(log_probs: Tensor, scores: Tensor) -> _Candidates:
-    """Rank the continuations of log-probs (rows, beam, V) from beams scored `scores`
-    (rows, beam).
+def _best_candidates(row_top: Tensor, row_tok: Tensor, scores: Tensor) -> _Candidates:
+    """Rank the continuations of beams scored `scores` (rows, beam) from each beam's best
+    k tokens `row_tok` and their log-probs `row_top` (rows, beam, k), k >= 2 * beam or V.
 
     The best 2*beam of a sentence's beam*V candidates are among the best 2*beam of
-    each row (a row's cumulative score shifts all its candidates equally), so rank
-    per row first and add the beam scores to those few only: no (rows, beam*V) pass.
+    each row (a row's cumulative score shifts all its candidates equally), so the rows are
+    ranked first (`_step_topk`) and the beam scores added to those few only: no
+    (rows, beam*V) pass.
     """
-    n_rows, beam, vocab = log_probs.shape
-    k = min(2 * beam, vocab)
-    row_top, row_tok = _row_topk(log_probs, k)  # (rows, beam, k)
+    n_rows, beam, k = row_top.shape
     cand = (scores.unsqueeze(-1) + row_top).view(n_rows, beam * k)  # (rows, beam*k)
     top_scores, top_idx = cand.topk(min(2 * beam, beam * k), dim=1)  # (rows, 2beam)
     src_beam = torch.div(top_idx, k, rounding_mode="floor")
-    top_tok = row_tok.view(n_rows, beam * k).gather(1, top_idx)  # (rows, 2beam)
+    top_tok = row_tok.reshape(n_rows, beam * k).gather(1, top_idx)  # (rows, 2beam)
     return _Candidates(top_scores, src_beam, top_tok, top_tok == EOS_ID)
+
+
+def _step_topk(logits: Tensor, k: int, at_max: Tensor | None, forced: Tensor | None,
+               ban_eos: bool) -> tuple[Tensor, Tensor]:
+    """The best k allowed tokens of each row of a step's logits (N, V) and their
+    log-probabilities, (N, k) each, best first: `_restrict` and `_force`'s rules (at_max,
+    forced (N,) or None), normalised over the whole vocabulary. One C call on a CPU
+    (nmt/inference/step_topk.py), else log_softmax, the rules' fills and `_row_topk`."""
+    fused = row_topk(logits, k, ban_eos=ban_eos, only=_pinned(at_max, forced, ban_eos))
+    if fused is not None:
+        return fused
+    log_probs = _restrict(normalised(logits), at_max, ban_eos)
+    if forced is not None:
+        log_probs = _force(log_probs, forced)
+    return _row_topk(log_probs, k)
+
+
+def _pinned(at_max: Tensor | None, forced: Tensor | None, ban_eos: bool) -> Tensor | None:
+    """`step_topk.row_topk`'s `only` (N,) for rows at their maximum length (`at_max`: EOS
+    alone) and rows with a forced prefix piece (`forced`, PAD = free: that piece alone),
+    or None when there are neither. A forced piece the rules ban (BOS; EOS below the
+    minimum length or another piece at the maximum) leaves the row nothing, as
+    `_restrict` then `_force` do. Device ops only."""
+    if at_max is None and forced is None:
+        return None
+    like = at_max if at_max is not None else forced
+    assert like is not None
+    only = torch.full(like.shape, FREE, dtype=torch.long, device=like.device)
+    if forced is not None:
+        banned = forced == BOS_ID
+        if ban_eos:
+            banned |= forced == EOS_ID
+        only = torch.where(forced != PAD_ID, forced.masked_fill(banned, NONE), only)
+    if at_max is not None:
+        eos = torch.full_like(only, EOS_ID)
+        if forced is not None:
+            eos = eos.masked_fill((forced != PAD_ID) & (forced != EOS_ID), NONE)
+        only = torch.where(at_max, eos, only)
+    return only
 
 
 @dataclass
@@ -365,26 +420,33 @@ class _Beams:
                    finished=(torch.zeros(n_sent, dtype=torch.long, device=device)
                              if count_finished else None))
 
-    def next_log_probs(self, decoder: StepDecoder, t: int, min_len: int) -> Tensor:
-        """Feed step t's tokens; the restricted log-probs (rows, beam, V) of the next."""
+    def next_candidates(self, decoder: StepDecoder, t: int, min_len: int
+                        ) -> tuple[Tensor, Tensor]:
+        """Feed step t's tokens; each beam's best k = 2 * beam allowed next tokens and
+        their log-probs, (rows, beam, k) each (see `_step_topk`)."""
         beam, n_rows = self.beam, self.active.numel()
         if t == 0:
-            log_probs = decoder.step(self.tokens[:, 0, 0])  # (rows, V): one row per sentence
-            log_probs = log_probs.repeat_interleave(beam, dim=0)  # (rows * beam, V)
+            logits = decoder.step(self.tokens[:, 0, 0])  # (rows, V): one row per sentence
         elif self.group is None:
-            log_probs = decoder.step(self.tokens[:, :, t].reshape(-1))  # (rows * beam, V)
+            logits = decoder.step(self.tokens[:, :, t].reshape(-1))  # (rows * beam, V)
         else:
             self.live = (self.group.unsqueeze(1) * beam + self.slots).view(-1)  # (rows*beam,)
-            log_probs = decoder.step_rows(self.tokens[:, :, t].reshape(-1), self.live,
-                                  self.n_groups * beam)  # (rows * beam, V)
-        vocab = log_probs.size(-1)
-        at_max = ((self.lens == t).repeat_interleave(beam) if t in self.lens_host
-                  else None)  # (rows * beam,)
-        log_probs = _restrict(log_probs, at_max, t < min_len)  # (rows * beam, V)
+            logits = decoder.step_rows(self.tokens[:, :, t].reshape(-1), self.live,
+                                       self.n_groups * beam)  # (rows * beam, V)
+        fed = 1 if t == 0 else beam  # rows per sentence in `logits`
+        at_max = (self.lens == t) if t in self.lens_host else None  # (rows,)
+        forced = None
         if self.prefix is not None and t < self.prefix.size(1):
-            forced = self.prefix[self.active, t].repeat_interleave(beam)  # (rows * beam,)
-            log_probs = _force(log_probs, forced)
-        return log_probs.view(n_rows, beam, vocab)
+            forced = self.prefix[self.active, t]  # (rows,)
+        if fed > 1:
+            at_max = None if at_max is None else at_max.repeat_interleave(fed)  # (rows*beam,)
+            forced = None if forced is None else forced.repeat_interleave(fed)
+        k = min(2 * beam, logits.size(-1))
+        values, tokens = _step_topk(logits, k, at_max, forced, t < min_len)  # (rows*fed, k)
+        if fed == 1:  # every beam's state is the BOS one
+            values = values.repeat_interleave(beam, dim=0)  # (rows * beam, k)
+            tokens = tokens.repeat_interleave(beam, dim=0)
+        return values.view(n_rows, beam, k), tokens.view(n_rows, beam, k)
 
     def finish(self, cand: _Candidates, t: int) -> None:
         """Finish the EOS candidates ranked within the top `beam` (|Y| = t pieces + EOS)."""
@@ -651,7 +713,7 @@ def _sample_like(decoder: StepDecoder, max_lens: Tensor, alpha: float,
     last = torch.full((rows,), BOS_ID, dtype=torch.long, device=device)
     for t in range(width):
         at_max = (max_lens == t) if t in budgets else None
-        log_probs = _restrict(decoder.step(last), at_max, t < min_len)  # (rows, V)
+        log_probs = _restrict(normalised(decoder.step(last)), at_max, t < min_len)  # (rows, V)
         if prefix is not None and t < prefix.size(1):
             log_probs = _force(log_probs, prefix[:, t])
         chosen = choose(log_probs)  # (rows,)

@@ -6,15 +6,11 @@ memory, and torch's batched matmul calls one small GEMM per (sentence, head) whe
 cache's history is a strided view. The kernel does it in one call and one pass, skipping
 the keys a mask hides (docs/performance.md has the measurements).
 
-How: the C source ships with the package and is compiled once per machine by the system's C
-compiler (`$CC`, else `cc`; gcc or clang), `-O3` for the CPU in use (`-march=native`; with
-ATEN_CPU_CAPABILITY=avx2 or default, as the AVX2 caps set it, for that ISA only) and
-OpenMP (torch's own runtime, already loaded). The library is cached under
-`$XDG_CACHE_HOME/nmt` (~/.cache/nmt), named by a hash of source, flags and compiler, and
-written atomically, so concurrent processes never load a half-written file. It is checked
-once per process against the PyTorch path on a small case. Without a compiler, or when the
-build or the check fails, the PyTorch path runs (the same results to float rounding) and
-one line on stderr says so. NMT_FUSED_ATTENTION=0 (nmt/switches.py) turns it off.
+How: built on first use by nmt/native.py (the system's C compiler, for the CPU in use,
+cached under ~/.cache/nmt) and checked once per process against the PyTorch path on a
+small case. Without a compiler, or when the build or the check fails, the PyTorch path runs
+(the same results to float rounding) and one line on stderr says so. NMT_FUSED_ATTENTION=0
+(nmt/switches.py) turns it off.
 """
 
 from __future__ import annotations
@@ -22,19 +18,13 @@ from __future__ import annotations
 import array
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
 import struct
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+import nmt.native as native
 from nmt.switches import switch
 
 SOURCE = Path(__file__).with_suffix(".c")
@@ -51,7 +41,7 @@ def _current() -> ctypes.CDLL | None:
     """The kernel library for the ISA in use, None when switched off or unavailable."""
     if switch("NMT_FUSED_ATTENTION") == "0":
         return None
-    return _library(_isa_flags())
+    return _library(native.isa_flags())
 
 
 def keys_layout(keys: Tensor) -> Tensor:
@@ -127,88 +117,12 @@ def _float_bits(value: float) -> int:
     return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
-def _isa_flags() -> tuple[str, ...]:
-    """Compiler flags for the vector ISA in use: the CPU's own (-march=native), or what
-    ATEN_CPU_CAPABILITY caps torch's kernels at, so a capped run measures what a CPU of
-    that class gets."""
-    machine = platform.machine().lower()
-    if machine not in ("x86_64", "amd64"):
-        return ("-mcpu=native",) if machine in ("aarch64", "arm64") else ()
-    cap = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
-    if cap == "avx2":
-        return ("-mavx2", "-mfma", "-mf16c")
-    if cap == "default":
-        return ()
-    return ("-march=native",)
-
-
 @functools.cache
 def _library(isa: tuple[str, ...]) -> ctypes.CDLL | None:
     """The kernel library built for `isa`, loaded and checked; None (said once on stderr)
     when it cannot be built or disagrees with PyTorch."""
-    try:
-        path = _build(isa)
-    except (OSError, subprocess.SubprocessError, RuntimeError) as err:
-        _say(f"the fused attention kernel could not be built ({err}); decoding uses "
-             "PyTorch's attention, slower on a CPU (install a C compiler, e.g. gcc, for it)")
-        return None
-    lib = ctypes.CDLL(str(path))
-    lib.nmt_attention.argtypes = [ctypes.c_void_p]
-    lib.nmt_attention.restype = ctypes.c_int
-    lib.nmt_attention_params.restype = ctypes.c_int64
-    if lib.nmt_attention_params() != PARAMS:
-        _say(f"{path}: a kernel of another version; decoding uses PyTorch's attention")
-        return None
-    try:
-        with torch.autocast("cpu", enabled=False), torch.inference_mode():
-            agrees = _agrees(lib)  # whatever context the first decoding step runs in
-    except RuntimeError:
-        agrees = False
-    if not agrees:
-        _say("the fused attention kernel disagrees with PyTorch here; decoding uses "
-             "PyTorch's attention")
-        return None
-    return lib
-
-
-def _build(isa: tuple[str, ...]) -> Path:
-    """Compile SOURCE for `isa` into the cache (once per source, flags and compiler)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler found (cc, gcc, or $CC)")
-    source = SOURCE.read_bytes()
-    attempts = [(*isa, "-fopenmp"), (*isa, "-fopenmp-simd"), ("-fopenmp-simd",)]
-    errors = []
-    for flags in attempts:
-        key = hashlib.sha256(b"\0".join([source, compiler.encode(), *map(str.encode, flags)]))
-        target = _cache_dir() / f"fused_attention-{key.hexdigest()[:16]}.so"
-        if target.exists():
-            return target
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            proc = subprocess.run([compiler, "-O3", *flags, "-shared", "-fPIC", "-o",
-                                   str(built), str(SOURCE)], capture_output=True, text=True,
-                                  timeout=120, check=False)
-            if proc.returncode == 0:
-                os.replace(built, target)  # atomic: another process sees all or nothing
-                return target
-            errors.append(proc.stderr.strip().splitlines()[-1:] or ["failed"])
-    raise RuntimeError(f"{compiler}: {errors[0][0]}")
-
-
-def _cache_dir() -> Path:
-    """Where built kernels are kept: $XDG_CACHE_HOME/nmt (~/.cache/nmt), made if absent;
-    a temporary directory when that cannot be written."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nmt"
-    try:
-        base.mkdir(parents=True, exist_ok=True)
-        if os.access(base, os.W_OK):
-            return base
-    except OSError:
-        pass
-    fallback = Path(tempfile.gettempdir()) / f"nmt-{os.getuid() if hasattr(os, 'getuid') else 0}"
-    fallback.mkdir(parents=True, exist_ok=True)
-    return fallback
+    return native.load(SOURCE, isa, "nmt_attention", PARAMS, _agrees,
+                       "the fused attention kernel", "decoding uses PyTorch's attention")
 
 
 def _agrees(lib: ctypes.CDLL) -> bool:
@@ -228,8 +142,3 @@ def _agrees(lib: ctypes.CDLL) -> bool:
         if not torch.allclose(got.float(), want, atol=tol, rtol=tol):
             return False
     return True
-
-
-def _say(text: str) -> None:
-    """One line on stderr, for what the user would want to know about their setup."""
-    print(f"nmt: {text}", file=sys.stderr)

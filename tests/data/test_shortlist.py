@@ -118,8 +118,9 @@ def test_translate_with_a_learned_shortlist(tiny_checkpoint: Path, tmp_path: Pat
 def test_a_step_over_columns_is_the_full_step_renormalised_over_them(tiny_checkpoint: Path,
                                                                      tmp_path: Path) -> None:
     """The decoder over a shortlist's columns feeds the columns' ids and scores only their
-    rows of the output projection: its log-probs are the full ones at those ids,
-    renormalised; and translate_ids hands back ids, never columns."""
+    rows of the output projection: its logits are the full ones at those ids (so its
+    log-probs the full ones renormalised); and translate_ids hands back ids, never
+    columns."""
     import torch
 
     from nmt.inference.decoding import ModelStepDecoder
@@ -134,9 +135,11 @@ def test_a_step_over_columns_is_the_full_step_renormalised_over_them(tiny_checkp
         full = ModelStepDecoder(model, src, workspace)
         listed = ModelStepDecoder(model, src, workspace, columns=columns)
         for step in range(3):
-            want = full.step(columns[tokens_cols])[:, columns].log_softmax(-1)
+            want = full.step(columns[tokens_cols])[:, columns]
             got = listed.step(tokens_cols)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # the logits
+            torch.testing.assert_close(got.log_softmax(-1), want.log_softmax(-1), rtol=1e-5,
+                                       atol=1e-5)
             tokens_cols = torch.tensor([4 + step, 10 + step])  # any columns
     path = tmp_path / "subset.npz"
     Shortlist(np.tile(columns[4:].numpy().astype(np.int32), (600, 1)),

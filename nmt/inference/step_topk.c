@@ -1,0 +1,218 @@
+/* One beam-search step's candidates on a CPU: log-softmax and top-k of each row in one call.
+ *
+ * For each row of next-token logits x (rows, V): lse = log sum_j exp(x_j) over every column,
+ * and the k largest allowed columns c with their log-probabilities x_c - lse, best first
+ * (equal values in no particular order). The (rows, V) log-probabilities are never
+ * written: one pass finds the row maximum and every block's maximum, only the k blocks
+ * that can hold the top k are scanned, and a second pass sums exp(x - max) from the L1
+ * cache. Eager PyTorch spends a log_softmax (three passes, one written), the restriction
+ * fills and a top-k on the same (nmt/inference/step_topk.py builds and calls this).
+ *
+ * Allowed columns: all but PAD and BOS, and but EOS where EOS is banned (all rows, below
+ * the minimum length); a row whose `only` entry is a column c >= 0 allows c alone (EOS at
+ * the maximum length, a forced prefix piece), -2 allows none, -1 is the rule above. Slots
+ * beyond the allowed columns get -inf and column PAD. Logits are float32 or bfloat16.
+ */
+#include "simd.h"
+
+/* The parameters, one int64 array. Pointers are addresses (0: none); `ld` is the logits'
+ * row stride in elements. */
+enum {
+    P_X, P_ROWS, P_V, P_LD, P_BF16, P_K, P_VALUES, P_INDICES, P_ONLY,
+    P_BAN_EOS, P_PAD, P_BOS, P_EOS, P_THREADS,
+    P_COUNT
+};
+
+int64_t nmt_step_topk_params(void) { return P_COUNT; }
+
+#define BLOCK 64 /* columns per block of the first pass */
+#define NB (BLOCK / LANES)
+#define MAX_K 256 /* the largest k (step_topk.py checks) */
+#define MAX_BLOCKS 4096 /* the widest row: MAX_BLOCKS * BLOCK columns (step_topk.py checks) */
+
+/* Lane-wise maximum, the largest lane, whether any lane of a comparison is set: one
+ * instruction each where the ISA has it (intrinsics), portable bit arithmetic elsewhere. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline vf vmax(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)b); }
+static inline float max_lanes(vf x) { return _mm512_reduce_max_ps((__m512)x); }
+static inline int any_lane(vi m) { return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0; }
+#elif defined(__AVX__)
+#include <immintrin.h>
+static inline vf vmax(vf a, vf b) { return (vf)_mm256_max_ps((__m256)a, (__m256)b); }
+static inline float max_lanes(vf x) {
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128((__m256)x), _mm256_extractf128_ps((__m256)x, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    return _mm_cvtss_f32(h);
+}
+static inline int any_lane(vi m) { return _mm256_movemask_ps((__m256)m) != 0; }
+#else
+static inline vf vmax(vf a, vf b) {
+    vi gt = a > b;
+    vi ai, bi;
+    memcpy(&ai, &a, sizeof ai);
+    memcpy(&bi, &b, sizeof bi);
+    vi r = (ai & gt) | (bi & ~gt);
+    vf out;
+    memcpy(&out, &r, sizeof out);
+    return out;
+}
+
+static inline float max_lanes(vf x) {
+    float top = x[0];
+    for (int i = 1; i < LANES; i++) top = x[i] > top ? x[i] : top;
+    return top;
+}
+
+static inline int any_lane(vi m) {
+    uint64_t words[LANES / 2];
+    memcpy(words, &m, sizeof words);
+    uint64_t acc = 0;
+    for (int i = 0; i < LANES / 2; i++) acc |= words[i];
+    return acc != 0;
+}
+#endif
+
+/* exp_nonpositive on a vector, written out: the compiler need not vectorise a loop. */
+static inline vf vexp_nonpositive(vf x) {
+    const vf lowest = (vf){0} - 87.0f;
+    x = vmax(x, lowest);
+    const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vf q = (vf){0} + 1.9875691500e-4f;
+    q = q * r + 1.3981999507e-3f;
+    q = q * r + 8.3334519073e-3f;
+    q = q * r + 4.1665795894e-2f;
+    q = q * r + 1.6666665459e-1f;
+    q = q * r + 5.0000001201e-1f;
+    const vf y = q * r * r + r + 1.0f;
+    const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+    vf scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return y * scale;
+}
+
+/* Insert column c of value x into the sorted best list (vals, idx) of `*n` <= k entries,
+ * after the entries of equal value. */
+static inline void insert(float *vals, int64_t *idx, int64_t *n, int64_t k, float x,
+                          int64_t c) {
+    int64_t pos = *n < k ? (*n)++ : k - 1;
+    while (pos > 0 && vals[pos - 1] < x) {
+        vals[pos] = vals[pos - 1];
+        idx[pos] = idx[pos - 1];
+        pos--;
+    }
+    vals[pos] = x;
+    idx[pos] = c;
+}
+
+/* Is column j one the rule allows (see the top of the file)? */
+static inline int allowed(int64_t j, int64_t pad, int64_t bos, int64_t eos) {
+    return j != pad && j != bos && j != eos;
+}
+
+/* One row. Pass 1: the maximum of every block of 64 columns (the allowed columns' only in
+ * the blocks that hold a banned one) and of the row. Then only the blocks whose maximum is
+ * among the k largest are scanned: each of the k best blocks holds an allowed value at
+ * least the k-th largest block maximum T, so the k-th best allowed value is >= T, and a
+ * block below T holds none of the top k. Pass 2: the sum of exp(x - max), in chunks through
+ * an L1-resident scratch row so that the exp vectorises. */
+#define DEFINE_ROW(NAME, T, LOAD, VEC)                                                       \
+static void NAME(const int64_t *p, int64_t r) {                                              \
+    const int64_t V = p[P_V], k = p[P_K];                                                    \
+    const T *x = (const T *)p[P_X] + r * p[P_LD];                                            \
+    float *vals = (float *)p[P_VALUES] + r * k;                                              \
+    int64_t *idx = (int64_t *)p[P_INDICES] + r * k;                                          \
+    const int64_t only = p[P_ONLY] ? ((const int64_t *)p[P_ONLY])[r] : -1;                   \
+    const int64_t pad = p[P_PAD], bos = p[P_BOS];                                            \
+    const int64_t eos = p[P_BAN_EOS] ? p[P_EOS] : -1;                                        \
+    const int64_t blocks = V / BLOCK, whole = blocks * BLOCK;                                \
+    float bmax[MAX_BLOCKS];                                                                  \
+    float top = -INFINITY;                                                                   \
+    for (int64_t b = 0; b < blocks; b++) {                                                   \
+        const T *xb = x + b * BLOCK;                                                         \
+        vf m = VEC(xb);                                                                      \
+        for (int c = 1; c < NB; c++) m = vmax(m, VEC(xb + c * LANES));                       \
+        const float bm = max_lanes(m);                                                       \
+        bmax[b] = bm;                                                                        \
+        top = bm > top ? bm : top;                                                           \
+    }                                                                                        \
+    for (int64_t j = whole; j < V; j++) {                                                    \
+        const float v = LOAD(x[j]);                                                          \
+        top = v > top ? v : top;                                                             \
+    }                                                                                        \
+    int64_t n = 0;                                                                           \
+    if (only == -1) {                                                                        \
+        const int64_t banned[3] = {pad, bos, eos};                                           \
+        for (int i = 0; i < 3; i++) {                                                        \
+            const int64_t b = banned[i] / BLOCK;                                             \
+            if (banned[i] < 0 || b >= blocks) continue;                                      \
+            float bm = -INFINITY;                                                            \
+            for (int64_t j = b * BLOCK; j < (b + 1) * BLOCK; j++) {                          \
+                const float v = LOAD(x[j]);                                                  \
+                if (allowed(j, pad, bos, eos) && v > bm) bm = v;                             \
+            }                                                                                \
+            bmax[b] = bm;                                                                    \
+        }                                                                                    \
+        /* the k blocks of the largest maxima, best first (vals, idx as scratch) */          \
+        int64_t m = 0;                                                                       \
+        for (int64_t b = 0; b < blocks; b++)                                                 \
+            if (m < k || bmax[b] > vals[k - 1]) insert(vals, idx, &m, k, bmax[b], b);        \
+        const float cut = m == k ? vals[k - 1] : -INFINITY; /* T */                          \
+        int64_t best[MAX_K];                                                                 \
+        memcpy(best, idx, (size_t)m * sizeof *best);                                         \
+        float kth = cut;                                                                     \
+        for (int64_t i = 0; i < m; i++) {                                                    \
+            for (int64_t c = best[i] * BLOCK; c < (best[i] + 1) * BLOCK; c += LANES) {       \
+                if (!any_lane(n < k ? VEC(x + c) >= kth : VEC(x + c) > kth)) continue;       \
+                for (int64_t j = c; j < c + LANES; j++) {                                    \
+                    const float v = LOAD(x[j]);                                              \
+                    if ((n < k ? v >= kth : v > kth) && allowed(j, pad, bos, eos)) {         \
+                        insert(vals, idx, &n, k, v, j);                                      \
+                        if (n == k) kth = vals[k - 1];                                       \
+                    }                                                                        \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+        for (int64_t j = whole; j < V; j++) {                                                \
+            const float v = LOAD(x[j]);                                                      \
+            if ((n < k || v > kth) && allowed(j, pad, bos, eos)) {                           \
+                insert(vals, idx, &n, k, v, j);                                              \
+                if (n == k) kth = vals[k - 1];                                               \
+            }                                                                                \
+        }                                                                                    \
+    } else if (only >= 0 && only < V) {                                                      \
+        vals[0] = LOAD(x[only]);                                                             \
+        idx[0] = only;                                                                       \
+        n = 1;                                                                               \
+    }                                                                                        \
+    vf acc = (vf){0};                                                                        \
+    int64_t j = 0;                                                                           \
+    for (; j + LANES <= V; j += LANES) acc += vexp_nonpositive(VEC(x + j) - top);            \
+    for (; j < V; j++) acc[0] += exp_nonpositive(LOAD(x[j]) - top);                          \
+    const float lse = top + logf(sum_lanes(acc));                                            \
+    for (int64_t i = 0; i < n; i++) vals[i] -= lse;                                          \
+    for (int64_t i = n; i < k; i++) {                                                        \
+        vals[i] = -INFINITY;                                                                 \
+        idx[i] = pad;                                                                        \
+    }                                                                                        \
+}
+
+static inline float load_f32_scalar(float x) { return x; }
+
+DEFINE_ROW(row_f32, float, load_f32_scalar, load_f32)
+DEFINE_ROW(row_bf16, bf16_t, bf16_to_float, load_bf16)
+
+/* Every row; rows split over `threads` OpenMP threads. */
+int nmt_step_topk(const int64_t *p) {
+    const int64_t rows = p[P_ROWS];
+    const int bf16 = (int)p[P_BF16];
+#pragma omp parallel for num_threads((int)p[P_THREADS]) if (p[P_THREADS] > 1 && rows > 1) \
+    schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        if (bf16) row_bf16(p, r);
+        else row_f32(p, r);
+    }
+    return 0;
+}

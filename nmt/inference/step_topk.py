@@ -1,0 +1,127 @@
+"""A beam-search step's candidates on a CPU in one C call (step_topk.c): the log-softmax and
+the top k of each row of next-token logits, with the search's banned columns left out.
+
+Why: PyTorch spends a log_softmax (three passes over the (rows, V) logits, one of them
+written), the restriction fills and a top-k (two more passes) per step; the kernel reads
+each row twice, once for its maximum and block maxima, once from the L1 cache for the
+sum of exponentials, and scans only the k blocks that can hold the top k. It is built by
+nmt/native.py and checked once per process against PyTorch; without a compiler, or when
+the build or the check fails, `row_topk` returns None (one line on stderr says why) and
+the search takes PyTorch's path. NMT_FUSED_TOPK=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+import nmt.native as native
+from nmt.special_ids import BOS_ID, EOS_ID, PAD_ID
+from nmt.switches import switch
+
+SOURCE = Path(__file__).with_suffix(".c")
+PARAMS = 14  # the parameter block's length: P_COUNT of the C source's enum
+MAX_K = 256  # MAX_K of the C source
+MAX_COLUMNS = 4096 * 64  # MAX_BLOCKS * BLOCK of the C source
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+FREE, NONE = -1, -2  # `only` entries: the usual rule; no column allowed
+
+
+def enabled() -> bool:
+    """Whether the kernel is wanted (NMT_FUSED_TOPK) and built and checked here."""
+    return _current() is not None
+
+
+def _current() -> ctypes.CDLL | None:
+    if switch("NMT_FUSED_TOPK") == "0":
+        return None
+    return _library(native.isa_flags())
+
+
+def row_topk(logits: Tensor, k: int, *, ban_eos: bool, only: Tensor | None = None
+             ) -> tuple[Tensor, Tensor] | None:
+    """The k best allowed columns of each row of `logits` (rows, V) and their
+    log-probabilities under the log-softmax over all V columns: values (rows, k) float32,
+    best first, and columns (rows, k) long; None when the kernel does not take the operands
+    (GPU, another dtype, a strided row, k or V too large) or is off.
+
+    Allowed: every column but PAD and BOS, and but EOS when `ban_eos`; a row whose `only`
+    (rows,) long entry is a column c allows c alone, NONE (-2) none, FREE (-1) the rule
+    above. Slots beyond the allowed columns hold -inf and column PAD. Ties among equal
+    values come in an unspecified order (as with torch.topk)."""
+    rows, vocab = logits.shape
+    if (logits.device.type != "cpu" or logits.dtype not in DTYPES or logits.stride(-1) != 1
+            or not 0 < k <= min(MAX_K, vocab) or vocab > MAX_COLUMNS):
+        return None
+    lib = _current()
+    if lib is None:
+        return None
+    return _run(lib, logits, k, ban_eos, only, torch.get_num_threads())
+
+
+def _run(lib: ctypes.CDLL, logits: Tensor, k: int, ban_eos: bool, only: Tensor | None,
+         threads: int) -> tuple[Tensor, Tensor]:
+    rows, vocab = logits.shape
+    values = torch.empty(rows, k, dtype=torch.float32)
+    columns = torch.empty(rows, k, dtype=torch.long)
+    if only is not None:
+        only = only.to(torch.long).contiguous()
+    params = array.array("q", (
+        logits.data_ptr(), rows, vocab, logits.stride(0), DTYPES[logits.dtype], k,
+        values.data_ptr(), columns.data_ptr(), 0 if only is None else only.data_ptr(),
+        int(ban_eos), PAD_ID, BOS_ID, EOS_ID, threads))
+    lib.nmt_step_topk(params.buffer_info()[0])
+    return values, columns
+
+
+@functools.cache
+def _library(isa: tuple[str, ...]) -> ctypes.CDLL | None:
+    """The kernel library built for `isa`, loaded and checked; None (said once on stderr)
+    when it cannot be built or disagrees with PyTorch."""
+    return native.load(SOURCE, isa, "nmt_step_topk", PARAMS, _agrees,
+                       "the beam search's top-k kernel",
+                       "decoding uses PyTorch's log_softmax and topk")
+
+
+def reference(logits: Tensor, k: int, *, ban_eos: bool, only: Tensor | None = None
+              ) -> tuple[Tensor, Tensor]:
+    """What `row_topk` computes, in PyTorch: the definition the kernel is checked against."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)  # (rows, V)
+    allowed = torch.ones_like(log_probs, dtype=torch.bool)
+    allowed[:, [PAD_ID, BOS_ID]] = False
+    if ban_eos:
+        allowed[:, EOS_ID] = False
+    if only is not None:
+        pinned = only != FREE  # (rows,)
+        allowed[pinned] = False
+        rows = torch.nonzero(only >= 0).squeeze(1)
+        allowed[rows, only[rows]] = True
+    masked = log_probs.masked_fill(~allowed, float("-inf"))
+    values, columns = masked.topk(k, dim=-1)
+    return values, columns.masked_fill(values == float("-inf"), PAD_ID)
+
+
+def _agrees(lib: ctypes.CDLL) -> bool:
+    """The kernel against `reference` on small cases: float32 and bfloat16, a vocabulary
+    that is not a multiple of the block, EOS banned, rows pinned to a column or to none."""
+    gen = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-5)):
+        logits = (torch.randn(5, 300, generator=gen) * 3).to(dtype)
+        only = torch.tensor([FREE, EOS_ID, FREE, NONE, 7])
+        for ban_eos in (False, True):
+            got_v, got_c = _run(lib, logits, 6, ban_eos, only, 1)
+            want_v, _ = reference(logits, 6, ban_eos=ban_eos, only=only)
+            finite = torch.isfinite(want_v)
+            if not torch.equal(finite, torch.isfinite(got_v)):
+                return False
+            if not torch.allclose(got_v[finite], want_v[finite], atol=tol, rtol=tol):
+                return False
+            picked = torch.log_softmax(logits.float(), -1).gather(1, got_c)  # (5, 6)
+            if not torch.allclose(picked[finite], got_v[finite], atol=tol, rtol=tol):
+                return False
+    return True
