@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from nmt.config import DecodeConfig
+from nmt.inference.int8_linear import Int8Linear
 from nmt.inference.kv_cache import GroupedCache, Regroup
 from nmt.inference.packed_linear import PackedLinear, is_packed
 from nmt.inference.search import beam_search, greedy_decode, max_output_lengths
@@ -172,6 +173,8 @@ class DecodingWorkspace:
         if self.projection is None:
             return None, weight
         with torch.no_grad():
+            if isinstance(self.projection, Int8Linear):  # quantized once, not per batch
+                return self.projection.rows(columns), weight
             return type(self.projection)(weight, None), weight
 
     def take(self) -> Tensor | None:

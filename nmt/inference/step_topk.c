@@ -30,69 +30,6 @@ int64_t nmt_step_topk_params(void) { return P_COUNT; }
 #define MAX_K 256 /* the largest k (step_topk.py checks) */
 #define MAX_BLOCKS 4096 /* the widest row: MAX_BLOCKS * BLOCK columns (step_topk.py checks) */
 
-/* Lane-wise maximum, the largest lane, whether any lane of a comparison is set: one
- * instruction each where the ISA has it (intrinsics), portable bit arithmetic elsewhere. */
-#if defined(__AVX512F__)
-#include <immintrin.h>
-static inline vf vmax(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)b); }
-static inline float max_lanes(vf x) { return _mm512_reduce_max_ps((__m512)x); }
-static inline int any_lane(vi m) { return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0; }
-#elif defined(__AVX__)
-#include <immintrin.h>
-static inline vf vmax(vf a, vf b) { return (vf)_mm256_max_ps((__m256)a, (__m256)b); }
-static inline float max_lanes(vf x) {
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128((__m256)x), _mm256_extractf128_ps((__m256)x, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-    return _mm_cvtss_f32(h);
-}
-static inline int any_lane(vi m) { return _mm256_movemask_ps((__m256)m) != 0; }
-#else
-static inline vf vmax(vf a, vf b) {
-    vi gt = a > b;
-    vi ai, bi;
-    memcpy(&ai, &a, sizeof ai);
-    memcpy(&bi, &b, sizeof bi);
-    vi r = (ai & gt) | (bi & ~gt);
-    vf out;
-    memcpy(&out, &r, sizeof out);
-    return out;
-}
-
-static inline float max_lanes(vf x) {
-    float top = x[0];
-    for (int i = 1; i < LANES; i++) top = x[i] > top ? x[i] : top;
-    return top;
-}
-
-static inline int any_lane(vi m) {
-    uint64_t words[LANES / 2];
-    memcpy(words, &m, sizeof words);
-    uint64_t acc = 0;
-    for (int i = 0; i < LANES / 2; i++) acc |= words[i];
-    return acc != 0;
-}
-#endif
-
-/* exp_nonpositive on a vector, written out: the compiler need not vectorise a loop. */
-static inline vf vexp_nonpositive(vf x) {
-    const vf lowest = (vf){0} - 87.0f;
-    x = vmax(x, lowest);
-    const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vf q = (vf){0} + 1.9875691500e-4f;
-    q = q * r + 1.3981999507e-3f;
-    q = q * r + 8.3334519073e-3f;
-    q = q * r + 4.1665795894e-2f;
-    q = q * r + 1.6666665459e-1f;
-    q = q * r + 5.0000001201e-1f;
-    const vf y = q * r * r + r + 1.0f;
-    const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-    vf scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return y * scale;
-}
-
 /* Insert column c of value x into the sorted best list (vals, idx) of `*n` <= k entries,
  * after the entries of equal value. */
 static inline void insert(float *vals, int64_t *idx, int64_t *n, int64_t k, float x,

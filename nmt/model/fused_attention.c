@@ -76,7 +76,22 @@ static void NAME(const int64_t *p, int64_t e, int64_t h, float *scores, const in
         if (vec) {                                                                           \
             vf qv[NV];                                                                       \
             for (int c = 0; c < NV; c++) qv[c] = VEC(q_r + c * LANES) * scale;               \
-            for (int64_t j = 0; j < n; j++) {                                                \
+            int64_t j = 0;                                                                   \
+            for (; j + 4 <= n; j += 4) { /* four keys, their lane sums together */           \
+                vf a[4];                                                                     \
+                for (int u = 0; u < 4; u++) {                                                \
+                    const T *key = k_eh + index[j + u] * k_l;                                \
+                    a[u] = qv[0] * VEC(key);                                                 \
+                    for (int c = 1; c < NV; c++) a[u] += qv[c] * VEC(key + c * LANES);       \
+                }                                                                            \
+                sum4_lanes(a[0], a[1], a[2], a[3], scores + j);                              \
+                for (int u = 0; u < 4; u++) {                                                \
+                    const float s = scores[j + u] + bias[j + u];                             \
+                    scores[j + u] = s;                                                       \
+                    top = s > top ? s : top;                                                 \
+                }                                                                            \
+            }                                                                                \
+            for (; j < n; j++) {                                                             \
                 const T *key = k_eh + index[j] * k_l;                                        \
                 vf a = qv[0] * VEC(key);                                                     \
                 for (int c = 1; c < NV; c++) a += qv[c] * VEC(key + c * LANES);              \
@@ -94,10 +109,17 @@ static void NAME(const int64_t *p, int64_t e, int64_t h, float *scores, const in
                 top = s > top ? s : top;                                                     \
             }                                                                                \
         }                                                                                    \
-        float total = 0.0f;                                                                  \
-        for (int64_t j = 0; j < n; j++) {                                                    \
-            const float w = exp_nonpositive(scores[j] - top);                                \
-            scores[j] = w;                                                                   \
+        vf sum = (vf){0};                                                                    \
+        int64_t jv = 0;                                                                      \
+        for (; jv + LANES <= n; jv += LANES) {                                               \
+            const vf w = vexp_nonpositive(load_f32(scores + jv) - top);                      \
+            memcpy(scores + jv, &w, sizeof w);                                               \
+            sum += w;                                                                        \
+        }                                                                                    \
+        float total = sum_lanes(sum);                                                        \
+        for (; jv < n; jv++) {                                                               \
+            const float w = exp_nonpositive(scores[jv] - top);                               \
+            scores[jv] = w;                                                                  \
             total += w;                                                                      \
         }                                                                                    \
         const float norm = 1.0f / total;                                                     \

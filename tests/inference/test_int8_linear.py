@@ -62,6 +62,23 @@ def test_int8_linear_is_close_to_f_linear(shape: tuple[int, ...], bias: bool) ->
 
 
 @needs_int8
+def test_rows_of_a_layer_are_the_layer_of_those_rows() -> None:
+    """A shortlist's projection (`rows`): the same int8 weights and scales as quantizing
+    the selected rows afresh, so the same outputs (to the kernels' float rounding)."""
+    torch.manual_seed(1)
+    weight = torch.randn(500, 64) / 8
+    index = torch.tensor([0, 3, 7, 100, 499, 250])
+    picked = Int8Linear(weight, None).rows(index)
+    afresh = Int8Linear(weight.index_select(0, index), None)
+    assert all(torch.equal(a, b) for a, b in zip(picked.quantized, afresh.quantized,
+                                                 strict=True))
+    for rows in (3, 300):  # below and above the FBGEMM / oneDNN switch
+        x = torch.randn(rows, 64)
+        with torch.inference_mode():
+            torch.testing.assert_close(picked(x), afresh(x), atol=1e-5, rtol=1e-5)
+
+
+@needs_int8
 @pytest.mark.parametrize("kernel", int8_linear.KERNELS)
 def test_each_kernel_alone(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if not int8_linear.kernel_works(kernel):
