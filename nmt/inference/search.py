@@ -45,7 +45,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from nmt.inference.step_topk import FREE, NONE, row_topk
+from nmt.inference.step_topk import FREE, NONE, applies, row_topk
 from nmt.special_ids import BOS_ID, EOS_ID, PAD_ID
 
 NEG_INF = float("-inf")
@@ -341,8 +341,9 @@ def _step_topk(logits: Tensor, k: int, at_max: Tensor | None, forced: Tensor | N
     log-probabilities, (N, k) each, best first: `_restrict` and `_force`'s rules (at_max,
     forced (N,) or None), normalised over the whole vocabulary. One C call on a CPU
     (nmt/inference/step_topk.py), else log_softmax, the rules' fills and `_row_topk`."""
-    fused = row_topk(logits, k, ban_eos=ban_eos, only=_pinned(at_max, forced, ban_eos))
-    if fused is not None:
+    if applies(logits, k):  # no `only` built where it would not be used (a GPU)
+        fused = row_topk(logits, k, ban_eos=ban_eos, only=_pinned(at_max, forced, ban_eos))
+        assert fused is not None
         return fused
     log_probs = _restrict(normalised(logits), at_max, ban_eos)
     if forced is not None:

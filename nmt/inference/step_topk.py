@@ -43,6 +43,13 @@ def _current() -> ctypes.CDLL | None:
     return _library(native.isa_flags())
 
 
+def applies(logits: Tensor, k: int) -> bool:
+    """Whether `row_topk` takes these logits (rows, V) and k (see there)."""
+    return (logits.device.type == "cpu" and logits.dtype in DTYPES and logits.stride(-1) == 1
+            and 0 < k <= min(MAX_K, logits.size(-1)) and logits.size(-1) <= MAX_COLUMNS
+            and _current() is not None)
+
+
 def row_topk(logits: Tensor, k: int, *, ban_eos: bool, only: Tensor | None = None
              ) -> tuple[Tensor, Tensor] | None:
     """The k best allowed columns of each row of `logits` (rows, V) and their
@@ -54,13 +61,10 @@ def row_topk(logits: Tensor, k: int, *, ban_eos: bool, only: Tensor | None = Non
     (rows,) long entry is a column c allows c alone, NONE (-2) none, FREE (-1) the rule
     above. Slots beyond the allowed columns hold -inf and column PAD. Ties among equal
     values come in an unspecified order (as with torch.topk)."""
-    rows, vocab = logits.shape
-    if (logits.device.type != "cpu" or logits.dtype not in DTYPES or logits.stride(-1) != 1
-            or not 0 < k <= min(MAX_K, vocab) or vocab > MAX_COLUMNS):
+    if not applies(logits, k):
         return None
     lib = _current()
-    if lib is None:
-        return None
+    assert lib is not None
     return _run(lib, logits, k, ban_eos, only, torch.get_num_threads())
 
 
