@@ -36,6 +36,7 @@ from nmt.data.vocab import Vocab
 from nmt.device import resolve_device
 from nmt.errors import CheckpointError, DataError, UsageError
 from nmt.host_memory import INFERENCE_ONEDNN_CACHE, keep_freed_memory, size_onednn_cache
+from nmt.inference import step_topk
 from nmt.inference.decoding import DecodingWorkspace
 from nmt.inference.int8_linear import output_projection as int8_output_projection
 from nmt.inference.int8_linear import quantize_for_inference
@@ -215,7 +216,8 @@ class Engine:
         if dev.type == "cpu":
             size_onednn_cache(INFERENCE_ONEDNN_CACHE)  # before the first oneDNN primitive
             keep_freed_memory()  # per-step activations reuse pages instead of re-faulting
-            fused_attention.enabled()  # build or load the attention kernel once, before forks
+            fused_attention.enabled()  # build or load the C kernels once, before forks
+            step_topk.enabled()
         precision = resolve_precision(precision, dev)  # auto -> bf16 / fp16 / fp32
         models, projections, vocab = [], [], None
         parameters = None
