@@ -25,6 +25,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from nmt.switches import switch
+
 BUILD_ERRORS = (OSError, subprocess.SubprocessError, RuntimeError)  # what `build` raises
 HEADER = Path(__file__).with_name("simd.h")  # what every kernel includes
 
@@ -42,6 +44,38 @@ def isa_flags() -> tuple[str, ...]:
     if cap == "default":
         return ()
     return ("-march=native",)
+
+
+class Kernel:
+    """One C kernel of the package: its library for the ISA in use, built, loaded and
+    checked on first use (`load`, once per ISA per process), None when its NMT_* switch is
+    "0" or it is unavailable. Both kernels are one of these (nmt/model/fused_attention.py,
+    nmt/inference/step_topk.py)."""
+
+    def __init__(self, source: Path, entry: str, params: int,
+                 agrees: Callable[[ctypes.CDLL], bool], switch_name: str, what: str,
+                 instead: str) -> None:
+        self.source, self.entry, self.params, self.agrees = source, entry, params, agrees
+        self.switch_name, self.what, self.instead = switch_name, what, instead
+        self._loaded: dict[tuple[str, ...], ctypes.CDLL | None] = {}
+
+    def library(self) -> ctypes.CDLL | None:
+        """The library for the ISA in use (`isa_flags`), or None."""
+        if switch(self.switch_name) == "0":
+            return None
+        isa = isa_flags()
+        if isa not in self._loaded:
+            self._loaded[isa] = load(self.source, isa, self.entry, self.params, self.agrees,
+                                     self.what, self.instead)
+        return self._loaded[isa]
+
+    def enabled(self) -> bool:
+        """Whether the kernel is wanted, built and checked here."""
+        return self.library() is not None
+
+    def forget(self) -> None:
+        """Load again on next use (tests: a first use in another context)."""
+        self._loaded.clear()
 
 
 def load(source: Path, isa: tuple[str, ...], entry: str, params: int,

@@ -5,7 +5,8 @@ from the source with `ast`: every import of every module, lazy ones inside funct
 - Packages layer one way: nmt.data and nmt.model use only the shared top-level modules,
   nmt.inference adds them, nmt.train adds nmt.inference; the shared modules reach up only
   where checkpoint builds a model (`load_model`, lazily).
-- The network (nmt.model) is torch, nmt.config, nmt.errors and nmt.switches alone.
+- The network (nmt.model) is torch, nmt.config, nmt.errors, nmt.switches and nmt.native
+  (which builds its C kernel) alone.
 - `nmt/inference/search.py` is pure algorithms: torch, the standard library, the special ids
   and its step's candidate kernel (nmt/inference/step_topk.py, computation only).
 - Caches live in one place: only nmt/inference/decoding.py imports the cache (kv_cache.py);

@@ -166,15 +166,17 @@ class DecodingWorkspace:
         (V',) sorted target ids, the specials first: score only those (a shortlist)."""
         return ModelStepDecoder(self.model, src, self, columns=columns)
 
-    def restricted(self, columns: Tensor) -> tuple[nn.Module | None, Tensor]:
+    def restricted(self, columns: Tensor) -> tuple[nn.Module | None, Tensor | None]:
         """The output projection (of this workspace's kind: int8, packed or plain) and
-        weight for the rows `columns` of the output weight only (V', d_model)."""
+        weight for the rows `columns` of the output weight only (V', d_model); no weight
+        with an int8 projection (its rows come from the int8 copy)."""
+        if isinstance(self.projection, Int8Linear):  # quantized once, not per batch
+            with torch.no_grad():
+                return self.projection.rows(columns), None
         weight = self.model.output_weight.index_select(0, columns)  # (V', d_model)
         if self.projection is None:
             return None, weight
         with torch.no_grad():
-            if isinstance(self.projection, Int8Linear):  # quantized once, not per batch
-                return self.projection.rows(columns), weight
             return type(self.projection)(weight, None), weight
 
     def take(self) -> Tensor | None:

@@ -156,13 +156,15 @@ class Int8Linear(nn.Module):
 
     def __init__(self, weight: Tensor, bias: Tensor | None,
                  quantized: tuple[Tensor, Tensor] | None = None,
-                 use: tuple[str, ...] | None = None) -> None:
+                 use: tuple[str, ...] | None = None, keep_quantized: bool = False) -> None:
         """`quantized`: `weight` already as (int8 weight, scales) (weight unused then);
-        `use`: the kernels to pack for (default: every working one)."""
+        `use`: the kernels to pack for (default: every working one); `keep_quantized`:
+        hold the int8 weight and scales beside the packed ones, for `rows` (the output
+        projection only: every other layer would hold its weights twice)."""
         super().__init__()
         q, scale = quantize_weight(weight) if quantized is None else quantized
         self.in_features, self.out_features = q.size(1), q.size(0)
-        self.quantized = q, scale  # kept for `rows`
+        self.quantized = (q, scale) if keep_quantized else None
         b = None if bias is None else bias.detach().float().clone()
         self.packed = {k: _prepack(k, q, scale, b) for k in kernels()
                        if use is None or k in use}
@@ -176,6 +178,8 @@ class Int8Linear(nn.Module):
         built per batch): the int8 weight and scales taken, not quantized again, and packed
         for oneDNN alone where it works (its packing takes about 4 ms for 3,000 rows; it
         is the faster kernel from 64 rows of a step up, FBGEMM below). No bias."""
+        if self.quantized is None:
+            raise ValueError("Int8Linear.rows needs a layer made with keep_quantized=True")
         q, scale = self.quantized
         use = ("onednn",) if "onednn" in self.packed else None
         return Int8Linear(q, None, quantized=(q.index_select(0, index),
@@ -208,7 +212,7 @@ def output_projection(weight: Tensor) -> nn.Module | None:
     NMT_INT8_OUTPUT=0 (None where neither kernel is available)."""
     with torch.no_grad():
         if switch("NMT_INT8_OUTPUT") != "0" and available():
-            return Int8Linear(weight, None)
+            return Int8Linear(weight, None, keep_quantized=True)  # a shortlist takes rows
         if packed_available(torch.float32):
             return PackedLinear(weight, None)
     return None

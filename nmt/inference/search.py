@@ -45,7 +45,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from nmt.inference.step_topk import FREE, NONE, applies, row_topk
+from nmt.inference.step_topk import FREE, NONE, kernel_for, row_topk
 from nmt.special_ids import BOS_ID, EOS_ID, PAD_ID
 
 NEG_INF = float("-inf")
@@ -341,10 +341,9 @@ def _step_topk(logits: Tensor, k: int, at_max: Tensor | None, forced: Tensor | N
     log-probabilities, (N, k) each, best first: `_restrict` and `_force`'s rules (at_max,
     forced (N,) or None), normalised over the whole vocabulary. One C call on a CPU
     (nmt/inference/step_topk.py), else log_softmax, the rules' fills and `_row_topk`."""
-    if applies(logits, k):  # no `only` built where it would not be used (a GPU)
-        fused = row_topk(logits, k, ban_eos=ban_eos, only=_pinned(at_max, forced, ban_eos))
-        assert fused is not None
-        return fused
+    lib = kernel_for(logits, k)
+    if lib is not None:  # `only` is built only where it is used (not on a GPU)
+        return row_topk(lib, logits, k, ban_eos=ban_eos, only=_pinned(at_max, forced, ban_eos))
     log_probs = _restrict(normalised(logits), at_max, ban_eos)
     if forced is not None:
         log_probs = _force(log_probs, forced)
@@ -352,7 +351,7 @@ def _step_topk(logits: Tensor, k: int, at_max: Tensor | None, forced: Tensor | N
 
 
 def _pinned(at_max: Tensor | None, forced: Tensor | None, ban_eos: bool) -> Tensor | None:
-    """`step_topk.row_topk`'s `only` (N,) for rows at their maximum length (`at_max`: EOS
+    """`row_topk`'s `only` (N,) for rows at their maximum length (`at_max`: EOS
     alone) and rows with a forced prefix piece (`forced`, PAD = free: that piece alone),
     or None when there are neither. A forced piece the rules ban (BOS; EOS below the
     minimum length or another piece at the maximum) leaves the row nothing, as

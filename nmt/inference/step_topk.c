@@ -49,6 +49,17 @@ static inline int allowed(int64_t j, int64_t pad, int64_t bos, int64_t eos) {
     return j != pad && j != bos && j != eos;
 }
 
+/* Offer column j of value v to the best list: taken when allowed and above the k-th value
+ * (at least `kth`, the cut, while the list is not full). Returns the new k-th value. */
+static inline float offer(float *vals, int64_t *idx, int64_t *n, int64_t k, float kth,
+                          float v, int64_t j, int64_t pad, int64_t bos, int64_t eos) {
+    if ((*n < k ? v >= kth : v > kth) && allowed(j, pad, bos, eos)) {
+        insert(vals, idx, n, k, v, j);
+        if (*n == k) return vals[k - 1];
+    }
+    return kth;
+}
+
 /* One row. Pass 1: the maximum of every block of 64 columns (the allowed columns' only in
  * the blocks that hold a banned one) and of the row. Then only the blocks whose maximum is
  * among the k largest are scanned: each of the k best blocks holds an allowed value at
@@ -103,22 +114,12 @@ static void NAME(const int64_t *p, int64_t r) {                                 
         for (int64_t i = 0; i < m; i++) {                                                    \
             for (int64_t c = best[i] * BLOCK; c < (best[i] + 1) * BLOCK; c += LANES) {       \
                 if (!any_lane(n < k ? VEC(x + c) >= kth : VEC(x + c) > kth)) continue;       \
-                for (int64_t j = c; j < c + LANES; j++) {                                    \
-                    const float v = LOAD(x[j]);                                              \
-                    if ((n < k ? v >= kth : v > kth) && allowed(j, pad, bos, eos)) {         \
-                        insert(vals, idx, &n, k, v, j);                                      \
-                        if (n == k) kth = vals[k - 1];                                       \
-                    }                                                                        \
-                }                                                                            \
+                for (int64_t j = c; j < c + LANES; j++)                                      \
+                    kth = offer(vals, idx, &n, k, kth, LOAD(x[j]), j, pad, bos, eos);        \
             }                                                                                \
         }                                                                                    \
-        for (int64_t j = whole; j < V; j++) {                                                \
-            const float v = LOAD(x[j]);                                                      \
-            if ((n < k || v > kth) && allowed(j, pad, bos, eos)) {                           \
-                insert(vals, idx, &n, k, v, j);                                              \
-                if (n == k) kth = vals[k - 1];                                               \
-            }                                                                                \
-        }                                                                                    \
+        for (int64_t j = whole; j < V; j++) /* the columns no block holds */                \
+            kth = offer(vals, idx, &n, k, kth, LOAD(x[j]), j, pad, bos, eos);                \
     } else if (only >= 0 && only < V) {                                                      \
         vals[0] = LOAD(x[only]);                                                             \
         idx[0] = only;                                                                       \

@@ -6,7 +6,7 @@ written), the restriction fills and a top-k (two more passes) per step; the kern
 each row twice, once for its maximum and block maxima, once from the L1 cache for the
 sum of exponentials, and scans only the k blocks that can hold the top k. It is built by
 nmt/native.py and checked once per process against PyTorch; without a compiler, or when
-the build or the check fails, `row_topk` returns None (one line on stderr says why) and
+the build or the check fails, `kernel_for` returns None (one line on stderr says why) and
 the search takes PyTorch's path. NMT_FUSED_TOPK=0 turns it off.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import array
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
@@ -22,7 +21,6 @@ from torch import Tensor
 
 import nmt.native as native
 from nmt.special_ids import BOS_ID, EOS_ID, PAD_ID
-from nmt.switches import switch
 
 SOURCE = Path(__file__).with_suffix(".c")
 PARAMS = 14  # the parameter block's length: P_COUNT of the C source's enum
@@ -34,42 +32,31 @@ FREE, NONE = -1, -2  # `only` entries: the usual rule; no column allowed
 
 def enabled() -> bool:
     """Whether the kernel is wanted (NMT_FUSED_TOPK) and built and checked here."""
-    return _current() is not None
+    return KERNEL.enabled()
 
 
-def _current() -> ctypes.CDLL | None:
-    if switch("NMT_FUSED_TOPK") == "0":
+def kernel_for(logits: Tensor, k: int) -> ctypes.CDLL | None:
+    """The library when `row_topk` can take these logits (rows, V) and k: a CPU tensor
+    of a dtype it knows, rows contiguous, 0 < k <= min(MAX_K, V), V <= MAX_COLUMNS, and
+    the kernel on; else None (the caller ranks another way)."""
+    if (logits.device.type != "cpu" or logits.dtype not in DTYPES or logits.stride(-1) != 1
+            or not 0 < k <= min(MAX_K, logits.size(-1)) or logits.size(-1) > MAX_COLUMNS):
         return None
-    return _library(native.isa_flags())
+    return KERNEL.library()
 
 
-def applies(logits: Tensor, k: int) -> bool:
-    """Whether `row_topk` takes these logits (rows, V) and k (see there)."""
-    return (logits.device.type == "cpu" and logits.dtype in DTYPES and logits.stride(-1) == 1
-            and 0 < k <= min(MAX_K, logits.size(-1)) and logits.size(-1) <= MAX_COLUMNS
-            and _current() is not None)
-
-
-def row_topk(logits: Tensor, k: int, *, ban_eos: bool, only: Tensor | None = None
-             ) -> tuple[Tensor, Tensor] | None:
+def row_topk(lib: ctypes.CDLL, logits: Tensor, k: int, *, ban_eos: bool,
+             only: Tensor | None = None, threads: int | None = None
+             ) -> tuple[Tensor, Tensor]:
     """The k best allowed columns of each row of `logits` (rows, V) and their
     log-probabilities under the log-softmax over all V columns: values (rows, k) float32,
-    best first, and columns (rows, k) long; None when the kernel does not take the operands
-    (GPU, another dtype, a strided row, k or V too large) or is off.
+    best first, and columns (rows, k) long, through `lib` (from `kernel_for`) on
+    `threads` threads (default: torch's).
 
     Allowed: every column but PAD and BOS, and but EOS when `ban_eos`; a row whose `only`
     (rows,) long entry is a column c allows c alone, NONE (-2) none, FREE (-1) the rule
     above. Slots beyond the allowed columns hold -inf and column PAD. Ties among equal
     values come in an unspecified order (as with torch.topk)."""
-    if not applies(logits, k):
-        return None
-    lib = _current()
-    assert lib is not None
-    return _run(lib, logits, k, ban_eos, only, torch.get_num_threads())
-
-
-def _run(lib: ctypes.CDLL, logits: Tensor, k: int, ban_eos: bool, only: Tensor | None,
-         threads: int) -> tuple[Tensor, Tensor]:
     rows, vocab = logits.shape
     values = torch.empty(rows, k, dtype=torch.float32)
     columns = torch.empty(rows, k, dtype=torch.long)
@@ -78,18 +65,10 @@ def _run(lib: ctypes.CDLL, logits: Tensor, k: int, ban_eos: bool, only: Tensor |
     params = array.array("q", (
         logits.data_ptr(), rows, vocab, logits.stride(0), DTYPES[logits.dtype], k,
         values.data_ptr(), columns.data_ptr(), 0 if only is None else only.data_ptr(),
-        int(ban_eos), PAD_ID, BOS_ID, EOS_ID, threads))
+        int(ban_eos), PAD_ID, BOS_ID, EOS_ID,
+        torch.get_num_threads() if threads is None else threads))
     lib.nmt_step_topk(params.buffer_info()[0])
     return values, columns
-
-
-@functools.cache
-def _library(isa: tuple[str, ...]) -> ctypes.CDLL | None:
-    """The kernel library built for `isa`, loaded and checked; None (said once on stderr)
-    when it cannot be built or disagrees with PyTorch."""
-    return native.load(SOURCE, isa, "nmt_step_topk", PARAMS, _agrees,
-                       "the beam search's top-k kernel",
-                       "decoding uses PyTorch's log_softmax and topk")
 
 
 def reference(logits: Tensor, k: int, *, ban_eos: bool, only: Tensor | None = None
@@ -118,7 +97,7 @@ def _agrees(lib: ctypes.CDLL) -> bool:
         logits = (torch.randn(5, 300, generator=gen) * 3).to(dtype)
         only = torch.tensor([FREE, EOS_ID, FREE, NONE, 7])
         for ban_eos in (False, True):
-            got_v, got_c = _run(lib, logits, 6, ban_eos, only, 1)
+            got_v, got_c = row_topk(lib, logits, 6, ban_eos=ban_eos, only=only, threads=1)
             want_v, _ = reference(logits, 6, ban_eos=ban_eos, only=only)
             finite = torch.isfinite(want_v)
             if not torch.equal(finite, torch.isfinite(got_v)):
@@ -129,3 +108,8 @@ def _agrees(lib: ctypes.CDLL) -> bool:
             if not torch.allclose(picked[finite], got_v[finite], atol=tol, rtol=tol):
                 return False
     return True
+
+
+KERNEL = native.Kernel(SOURCE, "nmt_step_topk", PARAMS, _agrees, "NMT_FUSED_TOPK",
+                       "the beam search's top-k kernel",
+                       "decoding uses PyTorch's log_softmax and topk")

@@ -25,7 +25,6 @@ import torch
 from torch import Tensor
 
 import nmt.native as native
-from nmt.switches import switch
 
 SOURCE = Path(__file__).with_suffix(".c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -34,14 +33,7 @@ PARAMS = 29  # the parameter block's length: P_COUNT of the C source's enum
 
 def enabled() -> bool:
     """Whether the kernel is wanted (NMT_FUSED_ATTENTION) and built and checked here."""
-    return _current() is not None
-
-
-def _current() -> ctypes.CDLL | None:
-    """The kernel library for the ISA in use, None when switched off or unavailable."""
-    if switch("NMT_FUSED_ATTENTION") == "0":
-        return None
-    return _library(native.isa_flags())
+    return KERNEL.enabled()
 
 
 def keys_layout(keys: Tensor) -> Tensor:
@@ -83,7 +75,7 @@ def _kernel_for(q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | None
         return None
     if mask is not None and (mask.dtype != q.dtype or mask.dim() != 4 or mask.size(1) != 1):
         return None
-    return _current()
+    return KERNEL.library()
 
 
 def _run(lib: ctypes.CDLL, q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | None,
@@ -117,14 +109,6 @@ def _float_bits(value: float) -> int:
     return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
-@functools.cache
-def _library(isa: tuple[str, ...]) -> ctypes.CDLL | None:
-    """The kernel library built for `isa`, loaded and checked; None (said once on stderr)
-    when it cannot be built or disagrees with PyTorch."""
-    return native.load(SOURCE, isa, "nmt_attention", PARAMS, _agrees,
-                       "the fused attention kernel", "decoding uses PyTorch's attention")
-
-
 def _agrees(lib: ctypes.CDLL) -> bool:
     """The kernel against the written-out softmax on a small masked case, float32 and
     bfloat16 (the grouped cache's shapes: 3 entries, 2 heads, 4 queries, 9 keys)."""
@@ -142,3 +126,7 @@ def _agrees(lib: ctypes.CDLL) -> bool:
         if not torch.allclose(got.float(), want, atol=tol, rtol=tol):
             return False
     return True
+
+
+KERNEL = native.Kernel(SOURCE, "nmt_attention", PARAMS, _agrees, "NMT_FUSED_ATTENTION",
+                       "the fused attention kernel", "decoding uses PyTorch's attention")

@@ -68,10 +68,14 @@ def test_rows_of_a_layer_are_the_layer_of_those_rows() -> None:
     torch.manual_seed(1)
     weight = torch.randn(500, 64) / 8
     index = torch.tensor([0, 3, 7, 100, 499, 250])
-    picked = Int8Linear(weight, None).rows(index)
-    afresh = Int8Linear(weight.index_select(0, index), None)
-    assert all(torch.equal(a, b) for a, b in zip(picked.quantized, afresh.quantized,
-                                                 strict=True))
+    full = Int8Linear(weight, None, keep_quantized=True)
+    picked = full.rows(index)  # packed from full.quantized's rows `index`
+    afresh = Int8Linear(weight.index_select(0, index), None, keep_quantized=True)
+    assert full.quantized is not None and afresh.quantized is not None
+    assert all(torch.equal(a.index_select(0, index), b)
+               for a, b in zip(full.quantized, afresh.quantized, strict=True))
+    with pytest.raises(ValueError, match="keep_quantized"):
+        Int8Linear(weight, None).rows(index)  # a plain layer holds no int8 copy
     for rows in (3, 300):  # below and above the FBGEMM / oneDNN switch
         x = torch.randn(rows, 64)
         with torch.inference_mode():

@@ -4,12 +4,10 @@ search's results the same with the kernel on and off; its absence harmless."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from helpers.models import make_model, random_batch
+from helpers.native import without_a_compiler
 
 from nmt.inference import step_topk
 from nmt.inference.decoding import ModelStepDecoder
@@ -29,6 +27,13 @@ pytestmark = pytest.mark.isa  # compiled for the vector ISA in use: CI runs thes
 needs_kernel = pytest.mark.skipif(not step_topk.enabled(),
                                   reason="no C compiler here: the kernel cannot be built")
 FREE, NONE = step_topk.FREE, step_topk.NONE
+
+
+def fused(logits: torch.Tensor, k: int, **rules) -> tuple[torch.Tensor, torch.Tensor]:
+    """`row_topk` through the kernel that `kernel_for` gives for these operands."""
+    lib = step_topk.kernel_for(logits, k)
+    assert lib is not None
+    return step_topk.row_topk(lib, logits, k, **rules)
 
 
 def logits_of(rows: int, vocab: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -70,7 +75,7 @@ def test_kernel_equals_log_softmax_then_topk(dtype, tol, vocab, k) -> None:
     k = min(k, vocab - 3)  # PAD, BOS and EOS may be banned
     logits = logits_of(7, vocab, dtype)
     for ban_eos in (False, True):
-        check(step_topk.row_topk(logits, k, ban_eos=ban_eos), logits, k, ban_eos, None, tol)
+        check(fused(logits, k, ban_eos=ban_eos), logits, k, ban_eos, None, tol)
 
 
 @needs_kernel
@@ -78,7 +83,7 @@ def test_kernel_equals_log_softmax_then_topk(dtype, tol, vocab, k) -> None:
 def test_rows_pinned_to_one_column_or_none(ban_eos) -> None:
     logits = logits_of(6, 500, torch.float32, seed=1)
     only = torch.tensor([FREE, EOS_ID, 7, NONE, FREE, 499])
-    got = step_topk.row_topk(logits, 8, ban_eos=ban_eos, only=only)
+    got = fused(logits, 8, ban_eos=ban_eos, only=only)
     assert got is not None
     check(got, logits, 8, ban_eos, only, 2e-6)
     assert got[1][1, 0] == EOS_ID and torch.isinf(got[0][1, 1:]).all()
@@ -91,14 +96,14 @@ def test_a_banned_column_that_would_win_is_left_out() -> None:
     their allowed columns, and the top k come from elsewhere."""
     logits = logits_of(4, 2000, torch.float32, seed=2)
     logits[:, [PAD_ID, BOS_ID, EOS_ID]] = 50.0
-    check(step_topk.row_topk(logits, 8, ban_eos=True), logits, 8, True, None, 2e-6)
+    check(fused(logits, 8, ban_eos=True), logits, 8, True, None, 2e-6)
 
 
 @needs_kernel
 def test_ties_keep_every_column_once() -> None:
     logits = torch.zeros(3, 700)
     logits[:, 100:140] = 1.0  # 40 equal favourites in one block and the next
-    values, columns = step_topk.row_topk(logits, 8, ban_eos=False)
+    values, columns = fused(logits, 8, ban_eos=False)
     assert (columns >= 100).all() and (columns < 140).all()
     assert all(len(set(row.tolist())) == 8 for row in columns)
     torch.testing.assert_close(values, step_topk.reference(logits, 8, ban_eos=False)[0])
@@ -107,17 +112,19 @@ def test_ties_keep_every_column_once() -> None:
 @needs_kernel
 def test_threads_change_nothing() -> None:
     logits = logits_of(64, 3000, torch.float32, seed=3)
-    one = step_topk._run(step_topk._current(), logits, 8, True, None, 1)
-    two = step_topk._run(step_topk._current(), logits, 8, True, None, 2)
+    lib = step_topk.kernel_for(logits, 8)
+    one = step_topk.row_topk(lib, logits, 8, ban_eos=True, threads=1)
+    two = step_topk.row_topk(lib, logits, 8, ban_eos=True, threads=2)
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
 
 
 def test_operands_it_does_not_take_are_left_to_the_caller() -> None:
     logits = logits_of(2, 300, torch.float32)
-    assert step_topk.row_topk(logits.double(), 8, ban_eos=False) is None
-    assert step_topk.row_topk(logits.t().contiguous().t(), 8, ban_eos=False) is None
-    assert step_topk.row_topk(logits, step_topk.MAX_K + 1, ban_eos=False) is None
-    assert step_topk.row_topk(logits[:, :5], 8, ban_eos=False) is None  # k > V
+    assert step_topk.kernel_for(logits.double(), 8) is None
+    assert step_topk.kernel_for(logits.t().contiguous().t(), 8) is None
+    assert step_topk.kernel_for(logits, step_topk.MAX_K + 1) is None
+    assert step_topk.kernel_for(logits[:, :5], 8) is None  # k > V
+    assert (step_topk.kernel_for(logits, 8) is not None) == step_topk.enabled()
 
 
 @pytest.mark.parametrize("case", range(6))
@@ -164,8 +171,7 @@ def test_kernel_and_fallback_rank_alike_under_every_rule() -> None:
     at_max = torch.rand(10, generator=gen) > 0.6
     forced = torch.tensor([PAD_ID, PAD_ID, EOS_ID, 9, PAD_ID, BOS_ID, 33, PAD_ID, EOS_ID, 5])
     for ban_eos in (False, True):
-        got = step_topk.row_topk(logits, 8, ban_eos=ban_eos, only=_pinned(at_max, forced,
-                                                                          ban_eos))
+        got = fused(logits, 8, ban_eos=ban_eos, only=_pinned(at_max, forced, ban_eos))
         want = fallback(logits, 8, ban_eos, at_max, forced)
         torch.testing.assert_close(got[0], want[0], atol=2e-6, rtol=2e-6)
         finite = torch.isfinite(want[0])
@@ -208,11 +214,7 @@ def test_without_a_compiler_search_goes_on_and_says_so_once(tmp_path) -> None:
         "from nmt.inference.search import _step_topk\n"
         "print(s.enabled(), s.enabled())\n"
         "print(_step_topk(torch.randn(3, 50), 8, None, None, False)[1].shape)\n")
-    env = {"PATH": "/nonexistent", "CC": str(tmp_path / "no-such-cc"),
-           "XDG_CACHE_HOME": str(tmp_path / "cache"), "HOME": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, timeout=120, check=True)
-    assert proc.stdout.splitlines() == ["False False", "torch.Size([3, 8])"]
-    lines = proc.stderr.strip().splitlines()
+    out, lines = without_a_compiler(code, tmp_path)
+    assert out == ["False False", "torch.Size([3, 8])"]
     assert len(lines) == 1 and lines[0].startswith("nmt: the beam search's top-k kernel "
-                                                   "could not be built"), proc.stderr
+                                                   "could not be built"), lines

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from helpers.native import without_a_compiler
 
 from nmt.model import fused_attention
 from nmt.model.attention import additive_mask, attend_one
@@ -136,14 +137,10 @@ def test_without_a_compiler_decoding_goes_on_and_says_so_once(tmp_path) -> None:
         "q, k, v = torch.randn(2, 2, 4, 64), torch.randn(2, 2, 9, 64), torch.randn(2, 2, 9, 64)\n"
         "print(f.enabled(), f.enabled())\n"
         "print(attend_one(q, k.contiguous().transpose(-1, -2), v, None).shape)\n")
-    env = {"PATH": "/nonexistent", "CC": str(tmp_path / "no-such-cc"),
-           "XDG_CACHE_HOME": str(tmp_path / "cache"), "HOME": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, timeout=120, check=True)
-    assert proc.stdout.splitlines() == ["False False", "torch.Size([2, 2, 4, 64])"]
-    lines = proc.stderr.strip().splitlines()
+    out, lines = without_a_compiler(code, tmp_path)
+    assert out == ["False False", "torch.Size([2, 2, 4, 64])"]
     assert len(lines) == 1 and lines[0].startswith("nmt: the fused attention kernel could not "
-                                                   "be built"), proc.stderr
+                                                   "be built"), lines
 
 
 @needs_kernel
@@ -168,7 +165,7 @@ def test_the_build_is_cached_and_reused(tmp_path) -> None:
 def test_its_first_use_may_come_under_autocast() -> None:
     """Validation during bf16 training decodes under autocast: the load-time check must
     not be computed (and fail) in bf16 there."""
-    fused_attention._library.cache_clear()
+    fused_attention.KERNEL.forget()
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
         assert fused_attention.enabled()
     assert fused_attention.enabled()
