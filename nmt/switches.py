@@ -38,6 +38,9 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "where it is faster (nmt/inference/int8_linear.py)"),
     Switch("NMT_INT8_OUTPUT", "1", "0 keeps an int8 model's vocabulary projection in fp32 "
            "(nmt/inference/int8_linear.py)"),
+    Switch("NMT_SHORTLIST_REST", "1", "0 normalises a shortlist's log-probabilities over "
+           "its candidates alone (as Marian and CTranslate2 do) instead of counting the "
+           "estimated mass of the pieces it leaves out (nmt/inference/rest_mass.py)"),
 )}
 
 

@@ -32,10 +32,12 @@ from nmt.config import DecodeConfig
 from nmt.inference.int8_linear import Int8Linear
 from nmt.inference.kv_cache import GroupedCache, Regroup
 from nmt.inference.packed_linear import PackedLinear, is_packed
+from nmt.inference.rest_mass import RestMass, VocabularyMoments
 from nmt.inference.search import beam_search, greedy_decode, max_output_lengths
 from nmt.model.fused_attention import keys_layout
 from nmt.model.incremental import LayerCache
 from nmt.model.transformer import EncoderOutput, Transformer
+from nmt.switches import switch
 
 _DEFAULTS = DecodeConfig()
 
@@ -90,7 +92,7 @@ def init_state(model: Transformer, enc: EncoderOutput, attention_layer: int = -1
 def decode_step(model: Transformer, tokens: Tensor, state: DecodingCache, *,
                 need_attention: bool = False, live: Tensor | None = None,
                 out: Tensor | None = None, projection: nn.Module | None = None,
-                weight: Tensor | None = None) -> Tensor:
+                weight: Tensor | None = None, rest: RestMass | None = None) -> Tensor:
     """Feed the newest token of each row, `tokens` (n,), at position `state.position`;
     update `state` in place and return next-token logits (n, vocab), computed for
     this one position only.
@@ -106,7 +108,9 @@ def decode_step(model: Transformer, tokens: Tensor, state: DecodingCache, *,
     (rows, vocab) allocation per step (large enough to be page-faulted in each time).
     A packed `projection` of the output weight replaces the plain matmul; it ignores
     `out` (its kernel has no out= form and returns a new tensor). `weight` (V', d_model),
-    rows of the output weight (a shortlist's), replaces it in the plain matmul.
+    rows of the output weight (a shortlist's), replaces it in the plain matmul; `rest`
+    then adds the mass of the pieces it leaves out to the PAD column
+    (nmt/inference/rest_mass.py).
 
     With `need_attention`, the encoder-decoder attention of layer
     `state.attention_layer` is stored in `state.attention` (n or m, heads, src_len).
@@ -122,7 +126,8 @@ def decode_step(model: Transformer, tokens: Tensor, state: DecodingCache, *,
     if model.dec_norm is not None:
         x = model.dec_norm(x)
     state.position += 1
-    return _logits(model, x[:, 0], out, projection, weight)  # (n or m, vocab)
+    logits = _logits(model, x[:, 0], out, projection, weight)  # (n or m, vocab)
+    return logits if rest is None else rest.fold_into(logits, x[:, 0])
 
 
 def _logits(model: Transformer, features: Tensor, out: Tensor | None,
@@ -159,6 +164,7 @@ class DecodingWorkspace:
             projection = PackedLinear(model.output_weight, None)
         self.projection = projection
         self._logits: Tensor | None = None
+        self._moments: VocabularyMoments | None = None  # made by the first shortlist
 
     def decoder(self, src: Tensor, columns: Tensor | None = None) -> ModelStepDecoder:
         """A step decoder over `src` (batch, src_len) that reuses this workspace; close it
@@ -178,6 +184,15 @@ class DecodingWorkspace:
             return None, weight
         with torch.no_grad():
             return type(self.projection)(weight, None), weight
+
+    def rest_mass(self, columns: Tensor) -> RestMass | None:
+        """The estimator of the mass a shortlist of `columns` leaves out (None: nothing,
+        or NMT_SHORTLIST_REST=0)."""
+        if switch("NMT_SHORTLIST_REST") == "0":
+            return None
+        if self._moments is None:
+            self._moments = VocabularyMoments(self.model.output_weight)
+        return self._moments.rest(self.model.output_weight, columns)
 
     def take(self) -> Tensor | None:
         """The pooled logits buffer, leaving the workspace empty."""
@@ -210,11 +225,12 @@ class ModelStepDecoder:
         self.projection = None if workspace is None else workspace.projection
         # A shortlist: the search sees columns 0..V'-1 (token `columns[c]`), the specials
         # first, so their ids are their columns.
-        self.columns, self.weight = columns, None
+        self.columns, self.weight, self.rest = columns, None, None
         if columns is not None:
             if workspace is None:
                 workspace = DecodingWorkspace(model)
             self.projection, self.weight = workspace.restricted(columns)
+            self.rest = workspace.rest_mass(columns)
         self._workspace = workspace if src.device.type == "cpu" else None
         self._logits = self._workspace.take() if self._workspace is not None else None
 
@@ -240,14 +256,14 @@ class ModelStepDecoder:
         which the next step overwrites: copy what must outlive it."""
         return decode_step(self.model, self._ids(tokens), self.state,
                            out=self._out(tokens.numel()), projection=self.projection,
-                           weight=self.weight)
+                           weight=self.weight, rest=self.rest)
 
     def step_rows(self, tokens: Tensor, rows: Tensor, n_rows: int) -> Tensor:
         """Like `step` for rows `rows` (m,) of the `n_rows` only, `tokens` (m,) -> logits
         (m, V); the other rows are finished for good (see `decode_step`)."""
         return decode_step(self.model, self._ids(tokens), self.state, live=rows,
                            out=self._out(tokens.numel()), projection=self.projection,
-                           weight=self.weight)
+                           weight=self.weight, rest=self.rest)
 
     def _ids(self, tokens: Tensor) -> Tensor:
         """The token ids of the search's columns (the same without a shortlist)."""

@@ -115,11 +115,13 @@ def test_translate_with_a_learned_shortlist(tiny_checkpoint: Path, tmp_path: Pat
     assert result.stdout.count(b"\n") == 3
 
 
-def test_a_step_over_columns_is_the_full_step_renormalised_over_them(tiny_checkpoint: Path,
-                                                                     tmp_path: Path) -> None:
+def test_a_step_over_columns_is_the_full_step_at_those_ids(
+        tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The decoder over a shortlist's columns feeds the columns' ids and scores only their
-    rows of the output projection: its logits are the full ones at those ids (so its
-    log-probs the full ones renormalised); and translate_ids hands back ids, never
+    rows of the output projection: its logits are the full ones at those ids, except PAD's
+    column, which also holds the estimated mass of the pieces left out (how near that
+    brings the full log-probabilities: tests/inference/test_rest_mass.py); with
+    NMT_SHORTLIST_REST=0 the full logits exactly. translate_ids hands back ids, never
     columns."""
     import torch
 
@@ -130,17 +132,23 @@ def test_a_step_over_columns_is_the_full_step_renormalised_over_them(tiny_checkp
     model, workspace = translator.models[0], translator.workspaces[0]
     columns = torch.cat([torch.arange(4), torch.arange(300, 600, 3)])  # specials, then some
     src = torch.tensor([[17, 42, 99, 2], [5, 8, 2, 0]])  # EOS 2, PAD 0
-    tokens_cols = torch.tensor([1, 1])  # BOS
-    with torch.inference_mode():
-        full = ModelStepDecoder(model, src, workspace)
-        listed = ModelStepDecoder(model, src, workspace, columns=columns)
-        for step in range(3):
-            want = full.step(columns[tokens_cols])[:, columns]
-            got = listed.step(tokens_cols)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # the logits
-            torch.testing.assert_close(got.log_softmax(-1), want.log_softmax(-1), rtol=1e-5,
-                                       atol=1e-5)
-            tokens_cols = torch.tensor([4 + step, 10 + step])  # any columns
+    for rest in ("1", "0"):
+        monkeypatch.setenv("NMT_SHORTLIST_REST", rest)
+        tokens_cols = torch.tensor([1, 1])  # BOS
+        with torch.inference_mode():
+            full = ModelStepDecoder(model, src, workspace)
+            listed = ModelStepDecoder(model, src, workspace, columns=columns)
+            assert (listed.rest is None) == (rest == "0")
+            for step in range(3):
+                every = full.step(columns[tokens_cols]).clone()  # (2, vocab)
+                want = every[:, columns]
+                got = listed.step(tokens_cols)
+                if rest == "0":
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                else:
+                    torch.testing.assert_close(got[:, 1:], want[:, 1:], rtol=1e-5, atol=1e-5)
+                    assert bool((got[:, 0] > want[:, 0]).all())  # PAD: plus the rest
+                tokens_cols = torch.tensor([4 + step, 10 + step])  # any columns
     path = tmp_path / "subset.npz"
     Shortlist(np.tile(columns[4:].numpy().astype(np.int32), (600, 1)),
               np.arange(4, dtype=np.int32), 600).save(path)
