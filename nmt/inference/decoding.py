@@ -192,7 +192,7 @@ class DecodingWorkspace:
             return None
         if self._moments is None:
             self._moments = VocabularyMoments(self.model.output_weight)
-        return self._moments.rest(self.model.output_weight, columns)
+        return self._moments.rest(columns)
 
     def take(self) -> Tensor | None:
         """The pooled logits buffer, leaving the workspace empty."""

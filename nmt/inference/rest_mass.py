@@ -34,18 +34,18 @@ class VocabularyMoments:
     once per model so each batch's left-out moments cost only its candidates' rows."""
 
     def __init__(self, weight: Tensor) -> None:
-        w = weight.detach().double()  # (V, d_model)
-        self.vocab = w.size(0)
+        self.weight = weight.detach()  # (V, d_model): the candidates' rows come from it
+        w = self.weight.double()
         self.sum = w.sum(0)  # (d_model,)
         self.sum_sq = (w * w).sum(0)  # (d_model,)
 
-    def rest(self, weight: Tensor, columns: Tensor) -> RestMass | None:
-        """The estimator for a shortlist of `columns` (V',) ids of `weight`'s rows; None
-        where the shortlist leaves nothing out."""
-        left_out = self.vocab - columns.numel()
+    def rest(self, columns: Tensor) -> RestMass | None:
+        """The estimator for a shortlist of `columns` (V',) row ids; None where the
+        shortlist leaves nothing out."""
+        left_out = self.weight.size(0) - columns.numel()
         if left_out <= 0:
             return None
-        rows = weight.detach().index_select(0, columns).double()  # (V', d_model)
+        rows = self.weight.index_select(0, columns).double()  # (V', d_model)
         mean = (self.sum - rows.sum(0)) / left_out  # (d_model,)
         var = ((self.sum_sq - (rows * rows).sum(0)) / left_out - mean * mean).clamp_(min=0)
         return RestMass(mean.float(), (0.5 * var).float(), math.log(left_out))
