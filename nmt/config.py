@@ -23,6 +23,7 @@ BEST_METRICS: dict[str, Literal["lower", "higher"]] = {
 # Learning-rate schedules by name; their builders: nmt/train/schedule.py SCHEDULES.
 # inverse_sqrt: the paper's (section 5.3); the others decay to the end of the budget.
 LR_SCHEDULES: tuple[str, ...] = ("inverse_sqrt", "linear", "cosine", "wsd")
+DROPOUT_SCHEDULES: tuple[str, ...] = ("constant", "linear")
 FUSED_LOSS: tuple[str, ...] = ("auto", "on", "off")  # TrainConfig.fused_loss
 # Decoding also offers int8 (CPU only: int8 linear layers, see nmt/inference/int8_linear.py).
 DECODE_PRECISIONS: tuple[str, ...] = (*PRECISIONS, "int8")
@@ -138,6 +139,12 @@ class TrainConfig:
         "linear, cosine, wsd: warm-up to the same peak, then down to --lr-final at the end "
         "of the budget (--max-updates, --max-minutes or --max-epochs, whichever ends "
         "first); wsd holds the peak until the last --decay-fraction of it.")
+    dropout_schedule: str = _setting(  # see DROPOUT_SCHEDULES
+        "constant",
+        "constant: the model's dropout rates throughout; linear: every rate rises from 0 at "
+        "the start to its set value (--dropout, --attention-dropout, "
+        "--activation-dropout) at the end of the budget that --lr-schedule follows "
+        "(curriculum dropout: learn fast first, regularise late).")
     lr_scale: float = _setting(
         1.0, "Multiplies d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) (the peak, "
         "lr_scale * d_model^-0.5 * warmup^-0.5, for every schedule).")
@@ -229,6 +236,13 @@ class TrainConfig:
         if self.lr_schedule not in LR_SCHEDULES:
             raise UsageError(f"unknown lr schedule {self.lr_schedule!r}; choose one of: "
                              f"{', '.join(LR_SCHEDULES)}")
+        if self.dropout_schedule not in DROPOUT_SCHEDULES:
+            raise UsageError(f"unknown dropout schedule {self.dropout_schedule!r}; choose "
+                             f"one of: {', '.join(DROPOUT_SCHEDULES)}")
+        if self.dropout_schedule != "constant" and self.compile:
+            raise UsageError("--dropout-schedule linear changes the dropout rates every "
+                             "update, which a compiled model would recompile for; use "
+                             "--no-compile or --dropout-schedule constant")
         if self.fused_loss not in FUSED_LOSS:
             raise UsageError(f"unknown fused-loss {self.fused_loss!r}; choose one of: "
                              f"{', '.join(FUSED_LOSS)}")

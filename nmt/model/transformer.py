@@ -26,9 +26,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nmt.config import ModelConfig
-from nmt.model.attention import key_padding_mask
+from nmt.model.attention import CrossAttention, SelfAttention, key_padding_mask
 from nmt.model.dropout import dropout
-from nmt.model.layers import DecoderLayer, EncoderLayer, Positions, embedding_scale
+from nmt.model.layers import (
+    DecoderLayer,
+    EncoderLayer,
+    FeedForward,
+    Positions,
+    Residual,
+    embedding_scale,
+)
 
 
 @dataclass
@@ -55,6 +62,7 @@ class Transformer(nn.Module):
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
         self.scale = embedding_scale(cfg.d_model)
+        self.embed_dropout = cfg.dropout  # scale_dropout sets it
         self.enc_positions = Positions(cfg)
         self.dec_positions = Positions(cfg)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
@@ -75,11 +83,25 @@ class Transformer(nn.Module):
         """Trainable parameters, the shared embedding counted once."""
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
+    def scale_dropout(self, factor: float) -> None:
+        """Set every dropout rate to `factor` times its configured value (the trainer's
+        --dropout-schedule; 1 restores them). `config` keeps the configured rates, so
+        checkpoints and `nmt average` see one model whatever the factor."""
+        cfg = self.config
+        self.embed_dropout = cfg.dropout * factor
+        for module in self.modules():
+            if isinstance(module, Residual):
+                module.dropout = cfg.dropout * factor
+            elif isinstance(module, FeedForward):
+                module.activation_dropout = cfg.activation_dropout * factor
+            elif isinstance(module, (SelfAttention, CrossAttention)):
+                module.dropout = cfg.attention_dropout * factor
+
     def embed_tokens(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """Scaled token embeddings plus `positions` (len, d_model), then dropout:
         (..., len) ids -> (..., len, d_model)."""
         x = self.embed(tokens) * self.scale + positions
-        return dropout(x, self.config.dropout, self.training)
+        return dropout(x, self.embed_dropout, self.training)
 
     def encode(self, src: Tensor, has_pad: bool | None = None) -> EncoderOutput:
         """Encode `src` (batch, src_len) of ids (pieces + EOS, right-padded with PAD).

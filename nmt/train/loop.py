@@ -43,7 +43,12 @@ from nmt.train.preempt import PreemptionWatch
 from nmt.train.prefetch import Prefetcher
 from nmt.train.readback import Pending, Readback
 from nmt.train.resume import initialise_from, resume
-from nmt.train.schedule import budget_progress, describe_schedule
+from nmt.train.schedule import (
+    budget_progress,
+    describe_dropout,
+    describe_schedule,
+    dropout_factor,
+)
 from nmt.train.setup import (
     build_model,
     checked_model_config,
@@ -189,6 +194,8 @@ class Trainer:
                                              reset_optimizer)
             self.initialised_from = Path(init_from)
             self.notes.append(note)
+        self.dropout_factor = 1.0
+        self._schedule_dropout()  # from the resumed progress (0 for a fresh run)
         self.net = data_parallel(self.model, self.env, self.device)
         if train_cfg.compile:
             self.net = compiled(self.net)
@@ -204,6 +211,22 @@ class Trainer:
                         "world_size": self.env.world_size}
             self.log = open_logs(self.run_dir, self.step, progress, self.tensorboard,
                                  settings)
+
+    def _schedule_dropout(self) -> None:
+        """Set the model's dropout rates for the next update from --dropout-schedule and
+        the progress the schedule last saw (nothing to do for `constant`)."""
+        if self.train_cfg.dropout_schedule == "constant":
+            return
+        self.dropout_factor = dropout_factor(self.train_cfg.dropout_schedule,
+                                             self.schedule.progress)
+        self.model.scale_dropout(self.dropout_factor)
+
+    def _dropout_fields(self, factor: float) -> dict[str, float]:
+        """The train record's `dropout` (the residual rate an update used) under a
+        dropout schedule; nothing under `constant`."""
+        if self.train_cfg.dropout_schedule == "constant":
+            return {}
+        return {"dropout": self.model_cfg.dropout * factor}
 
     def _training(self) -> Training:
         """The model, optimizer and friends as resuming and saving take them."""
@@ -255,6 +278,12 @@ class Trainer:
                                 self.epoch_batches.weighted, self.precision,
                                 self.device.type, self.precision_note, self.step))
         self.log.say(describe_schedule(cfg, self.model_cfg.d_model))
+        mc = self.model_cfg
+        dropout_line = describe_dropout(cfg, {"dropout": mc.dropout,
+                                              "attention dropout": mc.attention_dropout,
+                                              "activation dropout": mc.activation_dropout})
+        if dropout_line is not None:
+            self.log.say(dropout_line)
         self.log.start(cfg.max_updates, self.step, cfg.max_minutes * 60, self.elapsed_before)
         for note in self.notes:
             self.log.say(note)
@@ -375,11 +404,13 @@ class Trainer:
         lr = self.schedule.lr  # what this update used; the next one's is set below
         progress = budget_progress(cfg, self.step + 1, elapsed, self.data_state.epoch,
                                    self.data_state.index, self.epoch_batches.size)
+        dropout_factor = self.dropout_factor  # what this update used
         if self.deferred:
             advance(self.schedule, self.ema, finite, progress)
         else:
             apply_update(self.optimizer, self.scaler, self.schedule, self.precision, finite,
                          self.ema, progress)
+        self._schedule_dropout()
 
         run.window.add(finite, loss, nll, launched.tgt_tokens, launched.src_tgt_tokens)
         if finite:
@@ -404,7 +435,8 @@ class Trainer:
                            grad_norm=gnorm, update_freq=self.update_freq,
                            world_size=self.env.world_size,
                            skipped_updates=summary.skipped_updates,
-                           skipped_pairs=summary.skipped_pairs)
+                           skipped_pairs=summary.skipped_pairs,
+                           **self._dropout_fields(dropout_factor))
             run.window = LogWindow()
         if finite and self.step % cfg.valid_interval == 0:
             summary.valid = self._validate(run.elapsed())

@@ -51,6 +51,7 @@ class InverseSqrtSchedule:
         self.warmup = warmup
         self.lr_scale = lr_scale
         self.step_count = 0
+        self.progress = 0.0  # of the last update (for --dropout-schedule; not the lr)
         self._apply()
 
     @property
@@ -63,18 +64,21 @@ class InverseSqrtSchedule:
             group["lr"] = self.lr
 
     def step(self, progress: float = 0.0) -> None:
-        """Call after each successful optimizer step (`progress` is not used)."""
+        """Call after each successful optimizer step (`progress` is kept, not used here)."""
         self.step_count += 1
+        self.progress = min(max(progress, self.progress), 1.0)
         self._apply()
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain-int state for checkpoints."""
+        """Plain state for checkpoints."""
         return {"step_count": self.step_count, "d_model": self.d_model, "warmup": self.warmup,
-                "lr_scale": self.lr_scale}
+                "lr_scale": self.lr_scale, "progress": self.progress}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the update count (the shape parameters come from the current config)."""
+        """Restore the update count and progress (the shape parameters come from the
+        current config; a checkpoint from before progress was kept restores 0)."""
         self.step_count = int(state["step_count"])
+        self.progress = float(state.get("progress", 0.0))
         self._apply()
 
 
@@ -156,7 +160,10 @@ class BudgetSchedule:
 
 class Schedule(Protocol):
     """What the trainer needs of a schedule: the next lr, a step per successful update
-    (told the budget's progress then), and plain state for checkpoints."""
+    (told the budget's progress then), the progress of the last one (which
+    `dropout_factor` also follows), and plain state for checkpoints."""
+
+    progress: float
 
     @property
     def lr(self) -> float: ...
@@ -185,6 +192,19 @@ SCHEDULES: dict[str, Callable[[torch.optim.Optimizer, int, TrainConfig], Schedul
         optimizer, d_model, cfg.warmup, cfg.lr_scale),
     **{shape: _budgeted(shape) for shape in BUDGETED},
 }
+
+
+def dropout_factor(schedule: str, progress: float) -> float:
+    """The share of its set dropout rates the model uses after an update that left the
+    budget at `progress` in [0, 1]: 1 for `constant`; for `linear` the progress itself, so
+    the rates rise from 0 at the start to their set values at the budget's end
+    (`--dropout-schedule`; Morerio et al., "Curriculum Dropout", ICCV 2017, raise the rate
+    over training the same way, there by an exponential)."""
+    if schedule == "constant":
+        return 1.0
+    if schedule == "linear":
+        return min(max(progress, 0.0), 1.0)
+    raise ValueError(f"unknown dropout schedule {schedule!r}")
 
 
 def budget_progress(cfg: TrainConfig, updates: int, elapsed: float, epoch: int, index: int,
@@ -218,6 +238,17 @@ def describe_schedule(cfg: TrainConfig, d_model: int) -> str:
     hold = (f", held until the last {cfg.decay_fraction:g} of the budget"
             if cfg.lr_schedule == "wsd" else "")
     return f"{head}{hold}, then down to {final} at the end of the budget ({limit})"
+
+
+def describe_dropout(cfg: TrainConfig, rates: dict[str, float]) -> str | None:
+    """The start-up line for a dropout schedule, e.g. "dropout schedule linear: rates rise
+    from 0 to dropout 0.3 at the end of the budget"; None for `constant`. `rates`: the
+    model's set rates by name (the zero ones are left out)."""
+    if cfg.dropout_schedule == "constant":
+        return None
+    named = ", ".join(f"{name} {rate:g}" for name, rate in rates.items() if rate) or "0"
+    return (f"dropout schedule {cfg.dropout_schedule}: rates rise from 0 to {named} at "
+            "the end of the budget")
 
 
 def build_schedule(optimizer: torch.optim.Optimizer, d_model: int, cfg: TrainConfig

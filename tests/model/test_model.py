@@ -144,6 +144,45 @@ def test_dropout_active_in_training_only():
         torch.testing.assert_close(model(src, tgt), model(src, tgt))
 
 
+def test_scale_dropout_sets_every_rate_and_keeps_the_config():
+    """`scale_dropout(f)` (the trainer's --dropout-schedule) sets each dropout rate to f
+    times its configured value; the config keeps the set rates, so factor 1 restores them,
+    and at factor 0 training mode computes what eval mode does."""
+    from nmt.model.attention import CrossAttention, SelfAttention
+    from nmt.model.layers import FeedForward, Residual
+
+    model = make_model(dropout=0.3, attention_dropout=0.1, activation_dropout=0.2)
+
+    def rates() -> dict[str, set[float]]:
+        found: dict[str, set[float]] = {"residual": set(), "attention": set(),
+                                        "activation": set()}
+        for module in model.modules():
+            if isinstance(module, Residual):
+                found["residual"].add(module.dropout)
+            elif isinstance(module, (SelfAttention, CrossAttention)):
+                found["attention"].add(module.dropout)
+            elif isinstance(module, FeedForward):
+                found["activation"].add(module.activation_dropout)
+        return found
+
+    assert rates() == {"residual": {0.3}, "attention": {0.1}, "activation": {0.2}}
+    model.scale_dropout(0.5)
+    assert rates() == {"residual": {0.15}, "attention": {0.05}, "activation": {0.1}}
+    assert model.embed_dropout == 0.15
+    assert (model.config.dropout, model.config.attention_dropout,
+            model.config.activation_dropout) == (0.3, 0.1, 0.2)
+    src, tgt = random_batch([5], seed=13), random_batch([4], seed=14, bos=True)
+    with torch.no_grad():
+        model.scale_dropout(0.0)
+        model.train()
+        trained = model(src, tgt)
+        model.eval()
+        torch.testing.assert_close(trained, model(src, tgt))
+    model.scale_dropout(1.0)
+    assert rates() == {"residual": {0.3}, "attention": {0.1}, "activation": {0.2}}
+    assert model.embed_dropout == 0.3
+
+
 def test_autocast_bf16_forward_is_finite():
     model = make_model()
     src = random_batch([6, 4], seed=15)

@@ -175,3 +175,47 @@ def test_budget_progress_is_the_largest_share_of_the_limits_set():
     assert budget_progress(cfg, 10, 180.0, 1, 5, size) == pytest.approx(0.3)  # minutes
     assert budget_progress(cfg, 10, 60.0, 2, 5, size) == pytest.approx(1.5 / 4)  # epochs
     assert budget_progress(cfg, 300, 60.0, 1, 0, size) == 1.0
+
+
+def test_dropout_schedules_follow_the_budget():
+    """constant keeps the set rates; linear scales them by the budget's progress (0 at the
+    start, the set rates at the end, clamped); unknown names and linear with --compile are
+    usage errors; the start-up line names the non-zero rates."""
+    from nmt.config import DROPOUT_SCHEDULES
+    from nmt.errors import UsageError
+    from nmt.train.schedule import describe_dropout, dropout_factor
+
+    assert DROPOUT_SCHEDULES == ("constant", "linear")
+    for progress in (0.0, 0.25, 1.0):
+        assert dropout_factor("constant", progress) == 1.0
+        assert dropout_factor("linear", progress) == progress
+    assert dropout_factor("linear", 1.5) == 1.0 and dropout_factor("linear", -0.1) == 0.0
+    with pytest.raises(ValueError):
+        dropout_factor("cosine", 0.5)
+    with pytest.raises(UsageError, match="unknown dropout schedule 'cosine'"):
+        TrainConfig(dropout_schedule="cosine")
+    with pytest.raises(UsageError, match="--no-compile"):
+        TrainConfig(dropout_schedule="linear", compile=True)
+    rates = {"dropout": 0.3, "attention dropout": 0.0, "activation dropout": 0.1}
+    assert describe_dropout(TrainConfig(), rates) is None
+    assert describe_dropout(TrainConfig(dropout_schedule="linear"), rates) == (
+        "dropout schedule linear: rates rise from 0 to dropout 0.3, activation dropout "
+        "0.1 at the end of the budget")
+
+
+def test_inverse_sqrt_keeps_the_progress_it_is_told():
+    """The paper's schedule ignores the budget's progress for its lr but keeps it (never
+    backwards) and restores it, as --dropout-schedule reads it; a checkpoint without it
+    restores 0."""
+    param = torch.nn.Parameter(torch.zeros(3))
+    cfg = TrainConfig()
+    sched = InverseSqrtSchedule(build_optimizer([param], cfg, torch.device("cpu")), 512, 4000)
+    sched.step(0.4)
+    sched.step(0.3)
+    assert sched.progress == 0.4 and sched.lr == inverse_sqrt_lr(3, 512, 4000)
+    other = InverseSqrtSchedule(build_optimizer([param], cfg, torch.device("cpu")), 512, 4000)
+    other.load_state_dict(sched.state_dict())
+    assert other.progress == 0.4
+    old = {k: v for k, v in sched.state_dict().items() if k != "progress"}
+    other.load_state_dict(old)
+    assert other.progress == 0.0 and other.lr == sched.lr

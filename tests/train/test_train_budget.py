@@ -88,14 +88,26 @@ def test_time_budget_decays_to_its_end(m30k, tmp_path, one_thread, nmt_cli, shap
     _check_follows_the_clock(_updates(run), shape)
 
 
+def _check_dropout_follows(records: list[dict], rate: float) -> None:
+    """--dropout-schedule linear: the first update ran without dropout and every later
+    one at `rate` times the progress the update before it left, up to `rate` at the end;
+    the checkpoints keep the set rate."""
+    assert records[0]["dropout"] == 0.0
+    for before, record in itertools.pairwise(records):
+        assert math.isclose(record["dropout"], rate * before["progress"], rel_tol=1e-9,
+                            abs_tol=1e-12), (before, record)
+    assert records[-1]["dropout"] >= rate * (1 - 0.1)
+
+
 @pytest.mark.slow
 def test_time_budget_survives_kill_9_and_resume(m30k, tmp_path, one_thread, nmt_cli):
     """Killed after its first saves and resumed twice: the log of the updates that count
     follows the clock of the whole budget, and the training time saved in the checkpoint
-    carries over (the resumed run does not start the budget again)."""
+    carries over (the resumed run does not start the budget again). The run's dropout
+    rises with the same progress (--dropout-schedule linear), across the kills too."""
     run = tmp_path / "run"
     args = ["train", str(m30k), "-o", str(run), *MODEL_FLAGS, *FLAGS, "--lr-schedule",
-            "linear"]
+            "linear", "--dropout", "0.3", "--dropout-schedule", "linear"]
     rng = random.Random(5)
     saved_progress = []
     for attempt in range(2):
@@ -109,4 +121,8 @@ def test_time_budget_survives_kill_9_and_resume(m30k, tmp_path, one_thread, nmt_
     final = nmt_cli.run(*args)
     assert final.returncode == 0, final.err
     assert "resuming from update" in final.err
+    assert "dropout schedule linear: rates rise from 0 to dropout 0.3 at the end of the " \
+        "budget" in final.err
     _check_follows_the_clock(_updates(run), "linear")
+    _check_dropout_follows(_updates(run), 0.3)
+    assert load_checkpoint(run / "checkpoint_last.pt")["model_config"]["dropout"] == 0.3
