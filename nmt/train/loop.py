@@ -404,7 +404,7 @@ class Trainer:
         lr = self.schedule.lr  # what this update used; the next one's is set below
         progress = budget_progress(cfg, self.step + 1, elapsed, self.data_state.epoch,
                                    self.data_state.index, self.epoch_batches.size)
-        dropout_factor = self.dropout_factor  # what this update used
+        used_dropout = self.dropout_factor  # what this update used
         if self.deferred:
             advance(self.schedule, self.ema, finite, progress)
         else:
@@ -436,7 +436,7 @@ class Trainer:
                            world_size=self.env.world_size,
                            skipped_updates=summary.skipped_updates,
                            skipped_pairs=summary.skipped_pairs,
-                           **self._dropout_fields(dropout_factor))
+                           **self._dropout_fields(used_dropout))
             run.window = LogWindow()
         if finite and self.step % cfg.valid_interval == 0:
             summary.valid = self._validate(run.elapsed())
