@@ -145,6 +145,12 @@ class TrainConfig:
         "the start to its set value (--dropout, --attention-dropout, "
         "--activation-dropout) at the end of the budget that --lr-schedule follows "
         "(curriculum dropout: learn fast first, regularise late).")
+    dropout_epochs: float = _setting(
+        0.0, "With --dropout-schedule linear: the epochs the rates need to reach their set "
+        "values; a budget that holds fewer raises them in proportion to the epochs seen "
+        "instead (the rate: set value x the smaller of the budget's progress and epochs "
+        "seen / this), so a slower machine regularises less. 0: the budget's progress "
+        "alone. Ignored by --dropout-schedule constant.")
     lr_scale: float = _setting(
         1.0, "Multiplies d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) (the peak, "
         "lr_scale * d_model^-0.5 * warmup^-0.5, for every schedule).")
@@ -225,7 +231,7 @@ class TrainConfig:
             _check_positive(self, ("batch_tokens",))
         _check_non_negative(self, ("seed", "max_epochs", "max_minutes", "weight_decay",
                                    "clip_norm", "save_interval_minutes",
-                                   "save_interval_updates"))
+                                   "save_interval_updates", "dropout_epochs"))
         _check_probability("adam_beta1", self.adam_beta1)
         _check_probability("adam_beta2", self.adam_beta2)
         _check_probability("label_smoothing", self.label_smoothing)

@@ -48,6 +48,7 @@ from nmt.train.schedule import (
     describe_dropout,
     describe_schedule,
     dropout_factor,
+    epochs_seen,
 )
 from nmt.train.setup import (
     build_model,
@@ -194,14 +195,14 @@ class Trainer:
                                              reset_optimizer)
             self.initialised_from = Path(init_from)
             self.notes.append(note)
-        self.dropout_factor = 1.0
-        self._schedule_dropout()  # from the resumed progress (0 for a fresh run)
         self.net = data_parallel(self.model, self.env, self.device)
         if train_cfg.compile:
             self.net = compiled(self.net)
         self.epoch_batches = epoch_batches(self.data_dir, self.train_data,
                                            self.batching.micro_tokens, train_cfg,
                                            self.env.world_size, self.data_state.epoch)
+        self.dropout_factor = 1.0
+        self._schedule_dropout()  # from the resumed progress (0 for a fresh run)
         self.feed = TrainFeed(self.train_data, self.epoch_batches, self.env, self.update_freq,
                               train_cfg.seed, train_cfg.max_epochs, self.device)
         self.log = RunLog()  # rank 0 alone writes and reports
@@ -218,15 +219,25 @@ class Trainer:
         if self.train_cfg.dropout_schedule == "constant":
             return
         self.dropout_factor = dropout_factor(self.train_cfg.dropout_schedule,
-                                             self.schedule.progress)
+                                             self.schedule.progress, self._epochs_seen(),
+                                             self.train_cfg.dropout_epochs)
         self.model.scale_dropout(self.dropout_factor)
+
+    def _epochs_seen(self) -> float:
+        """Epochs of training data this run's updates have taken so far."""
+        return epochs_seen(self.data_state.epoch, self.data_state.index,
+                           self.epoch_batches.size)
 
     def _dropout_fields(self, factor: float) -> dict[str, float]:
         """The train record's `dropout` (the residual rate an update used) under a
-        dropout schedule; nothing under `constant`."""
+        dropout schedule, and with --dropout-epochs the `epochs` seen after it; nothing
+        under `constant`."""
         if self.train_cfg.dropout_schedule == "constant":
             return {}
-        return {"dropout": self.model_cfg.dropout * factor}
+        fields = {"dropout": self.model_cfg.dropout * factor}
+        if self.train_cfg.dropout_epochs > 0:
+            fields["epochs"] = self._epochs_seen()
+        return fields
 
     def _training(self) -> Training:
         """The model, optimizer and friends as resuming and saving take them."""

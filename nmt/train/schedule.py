@@ -194,17 +194,28 @@ SCHEDULES: dict[str, Callable[[torch.optim.Optimizer, int, TrainConfig], Schedul
 }
 
 
-def dropout_factor(schedule: str, progress: float) -> float:
+def dropout_factor(schedule: str, progress: float, epochs: float = 0.0,
+                   full_epochs: float = 0.0) -> float:
     """The share of its set dropout rates the model uses after an update that left the
-    budget at `progress` in [0, 1]: 1 for `constant`; for `linear` the progress itself, so
-    the rates rise from 0 at the start to their set values at the budget's end
-    (`--dropout-schedule`; Morerio et al., "Curriculum Dropout", ICCV 2017, raise the rate
-    over training the same way, there by an exponential)."""
+    budget at `progress` in [0, 1], `epochs` epochs into the data: 1 for `constant`;
+    for `linear` the progress itself, so the rates rise from 0 at the start to their set
+    values at the budget's end (`--dropout-schedule`; Morerio et al., "Curriculum
+    Dropout", ICCV 2017, raise the rate over training the same way, there by an
+    exponential). With `full_epochs` > 0 (`--dropout-epochs`) it is at most
+    epochs / full_epochs: a budget that holds fewer epochs ends below the set rates,
+    in proportion, since a model that sees its data fewer times overfits it less."""
     if schedule == "constant":
         return 1.0
     if schedule == "linear":
-        return min(max(progress, 0.0), 1.0)
+        share = progress if full_epochs <= 0 else min(progress, epochs / full_epochs)
+        return min(max(share, 0.0), 1.0)
     raise ValueError(f"unknown dropout schedule {schedule!r}")
+
+
+def epochs_seen(epoch: int, index: int, epoch_size: Callable[[int], int]) -> float:
+    """Epochs of data seen `index` batches into `epoch` (1-based) of `epoch_size(epoch)`
+    batches: epoch - 1 plus the share of this one."""
+    return epoch - 1 + (index / epoch_size(epoch) if index else 0.0)
 
 
 def budget_progress(cfg: TrainConfig, updates: int, elapsed: float, epoch: int, index: int,
@@ -216,8 +227,7 @@ def budget_progress(cfg: TrainConfig, updates: int, elapsed: float, epoch: int, 
     if cfg.max_minutes > 0:
         shares.append(elapsed / (cfg.max_minutes * 60))
     if cfg.max_epochs > 0:
-        within = index / epoch_size(epoch) if index else 0.0
-        shares.append((epoch - 1 + within) / cfg.max_epochs)
+        shares.append(epochs_seen(epoch, index, epoch_size) / cfg.max_epochs)
     return min(max(shares), 1.0)
 
 
@@ -247,8 +257,12 @@ def describe_dropout(cfg: TrainConfig, rates: dict[str, float]) -> str | None:
     if cfg.dropout_schedule == "constant":
         return None
     named = ", ".join(f"{name} {rate:g}" for name, rate in rates.items() if rate) or "0"
-    return (f"dropout schedule {cfg.dropout_schedule}: rates rise from 0 to {named} at "
+    line = (f"dropout schedule {cfg.dropout_schedule}: rates rise from 0 to {named} at "
             "the end of the budget")
+    if cfg.dropout_epochs > 0:
+        line += (f", if it holds {cfg.dropout_epochs:g} epochs (else in proportion to the "
+                 "epochs seen)")
+    return line
 
 
 def build_schedule(optimizer: torch.optim.Optimizer, d_model: int, cfg: TrainConfig

@@ -190,6 +190,15 @@ def test_dropout_schedules_follow_the_budget():
         assert dropout_factor("constant", progress) == 1.0
         assert dropout_factor("linear", progress) == progress
     assert dropout_factor("linear", 1.5) == 1.0 and dropout_factor("linear", -0.1) == 0.0
+    # --dropout-epochs: the smaller of the progress and the epochs seen / full epochs
+    assert dropout_factor("linear", 0.5, epochs=3.0, full_epochs=12.0) == 0.25
+    assert dropout_factor("linear", 0.5, epochs=9.0, full_epochs=12.0) == 0.5
+    assert dropout_factor("linear", 1.0, epochs=30.0, full_epochs=12.0) == 1.0
+    assert dropout_factor("linear", 0.5, epochs=3.0) == 0.5  # 0: progress alone
+    assert dropout_factor("constant", 0.5, epochs=1.0, full_epochs=12.0) == 1.0
+    assert describe_dropout(TrainConfig(dropout_epochs=12.0), {"dropout": 0.3}) is None
+    with pytest.raises(UsageError, match="dropout-epochs must be >= 0"):
+        TrainConfig(dropout_schedule="linear", dropout_epochs=-1.0)
     with pytest.raises(ValueError):
         dropout_factor("cosine", 0.5)
     with pytest.raises(UsageError, match="unknown dropout schedule 'cosine'"):
@@ -201,6 +210,10 @@ def test_dropout_schedules_follow_the_budget():
     assert describe_dropout(TrainConfig(dropout_schedule="linear"), rates) == (
         "dropout schedule linear: rates rise from 0 to dropout 0.3, activation dropout "
         "0.1 at the end of the budget")
+    assert describe_dropout(TrainConfig(dropout_schedule="linear", dropout_epochs=16), rates) \
+        == ("dropout schedule linear: rates rise from 0 to dropout 0.3, activation dropout "
+            "0.1 at the end of the budget, if it holds 16 epochs (else in proportion to the "
+            "epochs seen)")
 
 
 def test_inverse_sqrt_keeps_the_progress_it_is_told():

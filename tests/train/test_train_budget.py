@@ -88,26 +88,56 @@ def test_time_budget_decays_to_its_end(m30k, tmp_path, one_thread, nmt_cli, shap
     _check_follows_the_clock(_updates(run), shape)
 
 
-def _check_dropout_follows(records: list[dict], rate: float) -> None:
+def _check_dropout_follows(records: list[dict], rate: float, full_epochs: float = 0.0
+                           ) -> None:
     """--dropout-schedule linear: the first update ran without dropout and every later
     one at `rate` times the progress the update before it left, up to `rate` at the end;
-    the checkpoints keep the set rate."""
+    with --dropout-epochs `full_epochs`, at `rate` times the smaller of that progress and
+    the epochs seen by then / `full_epochs`."""
     assert records[0]["dropout"] == 0.0
     for before, record in itertools.pairwise(records):
-        assert math.isclose(record["dropout"], rate * before["progress"], rel_tol=1e-9,
+        share = before["progress"]
+        if full_epochs:
+            share = min(share, before["epochs"] / full_epochs)
+        assert math.isclose(record["dropout"], rate * share, rel_tol=1e-9,
                             abs_tol=1e-12), (before, record)
-    assert records[-1]["dropout"] >= rate * (1 - 0.1)
+    if not full_epochs:
+        assert records[-1]["dropout"] >= rate * (1 - 0.1)
+        return
+    # the epochs held the rate down: fewer epochs seen than `full_epochs`
+    seen = records[-1]["epochs"]
+    assert 1.0 < seen < full_epochs, seen
+    assert records[-1]["dropout"] <= rate * seen / full_epochs + 1e-12
+
+
+def test_dropout_rises_with_the_epochs_seen(m30k, tmp_path, one_thread, nmt_cli):
+    """--dropout-epochs: where the budget holds fewer epochs than it names, the rising
+    dropout follows the epochs seen instead of the budget's progress, and ends below the
+    set rate in proportion; the start-up line says so."""
+    run = tmp_path / "run"
+    result = nmt_cli.run("train", str(m30k), "-o", str(run), *MODEL_FLAGS, *FLAGS,
+                         "--lr-schedule", "linear", "--dropout", "0.3",
+                         "--dropout-schedule", "linear", "--dropout-epochs", "200")
+    assert result.returncode == 0, result.err
+    assert ("dropout schedule linear: rates rise from 0 to dropout 0.3 at the end of the "
+            "budget, if it holds 200 epochs (else in proportion to the epochs seen)"
+            in result.err), result.err
+    _check_dropout_follows(_updates(run), 0.3, full_epochs=200)
 
 
 @pytest.mark.slow
-def test_time_budget_survives_kill_9_and_resume(m30k, tmp_path, one_thread, nmt_cli):
+@pytest.mark.parametrize("full_epochs", [0, 200])
+def test_time_budget_survives_kill_9_and_resume(m30k, tmp_path, one_thread, nmt_cli,
+                                                full_epochs):
     """Killed after its first saves and resumed twice: the log of the updates that count
     follows the clock of the whole budget, and the training time saved in the checkpoint
     carries over (the resumed run does not start the budget again). The run's dropout
-    rises with the same progress (--dropout-schedule linear), across the kills too."""
+    rises with the same progress (--dropout-schedule linear), or with the epochs seen
+    where --dropout-epochs holds it lower, across the kills too."""
     run = tmp_path / "run"
     args = ["train", str(m30k), "-o", str(run), *MODEL_FLAGS, *FLAGS, "--lr-schedule",
-            "linear", "--dropout", "0.3", "--dropout-schedule", "linear"]
+            "linear", "--dropout", "0.3", "--dropout-schedule", "linear",
+            "--dropout-epochs", str(full_epochs)]
     rng = random.Random(5)
     saved_progress = []
     for attempt in range(2):
@@ -124,5 +154,5 @@ def test_time_budget_survives_kill_9_and_resume(m30k, tmp_path, one_thread, nmt_
     assert "dropout schedule linear: rates rise from 0 to dropout 0.3 at the end of the " \
         "budget" in final.err
     _check_follows_the_clock(_updates(run), "linear")
-    _check_dropout_follows(_updates(run), 0.3)
+    _check_dropout_follows(_updates(run), 0.3, full_epochs)
     assert load_checkpoint(run / "checkpoint_last.pt")["model_config"]["dropout"] == 0.3
