@@ -100,8 +100,9 @@ def decode_step(model: Transformer, tokens: Tensor, state: DecodingCache, *,
     With `live` (m,) row indices, `tokens` (m,) are the newest tokens of those rows
     only and the logits are (m, vocab): the other rows (finished sentences that a
     search keeps in the state until it compacts it, saving a cache copy per finished
-    sentence) cost no projection, feed-forward or vocabulary matmul. They get zero
-    keys/values at this position, so leave a row out only once it is done for good.
+    sentence) cost no projection, feed-forward or vocabulary matmul. They get no
+    keys/values at this position (zeros, or on a CPU with the attention kernel nothing:
+    their slots keep what they held), so leave a row out only once it is done for good.
 
     With `out` (at least n or m rows, vocab), the logits are written into its first
     rows and that view is returned: a search reusing one buffer avoids a fresh

@@ -118,7 +118,9 @@ class GroupedCache:
         if position == self.capacity:
             self.grow(min(2 * position, self.limit))
         mask = slot_mask(self, position)  # None, or (groups, 1, g, (t+1)*g) additive
-        return [_GroupedLayer(self, i, position, mask, live) for i in range(len(self.self_k))]
+        entries = None if live is None else live_groups(live, self.group_size)
+        return [_GroupedLayer(self, i, position, mask, live, entries)
+                for i in range(len(self.self_k))]
 
     def reserve(self, positions: int) -> None:
         """Make room for `positions` target tokens in all (capped by `limit`), so a search
@@ -235,8 +237,8 @@ class _GroupedLayer:
     and the slot mask keeps each row to its own ancestors."""
 
     def __init__(self, cache: GroupedCache, index: int, position: int, mask: Tensor | None,
-                 live: Tensor | None) -> None:
-        self.rows, self.live = cache.rows, live
+                 live: Tensor | None, entries: Tensor | None = None) -> None:
+        self.rows, self.live, self.entries = cache.rows, live, entries
         self._k, self._v = cache.self_k[index], cache.self_v[index]
         self._cross = cache.cross_k[index], cache.cross_v[index], cache.cross_mask
         self._position, self._mask = position, mask
@@ -247,6 +249,16 @@ class _GroupedLayer:
         self._k[:, :, self._position] = k.view(groups, g, heads, -1).transpose(1, 2)
         self._v[:, :, self._position] = v.view(groups, g, heads, -1).transpose(1, 2)
 
+    def write_live(self, k: Tensor, v: Tensor) -> None:
+        if self.entries is None:
+            raise RuntimeError("write_live needs the fed rows as whole groups (entries)")
+        _, heads, _, g, _ = self._k.shape
+        # (entries, heads, g, d) into the live groups' slots at this position
+        self._k[:, :, self._position].index_copy_(
+            0, self.entries, k.view(-1, g, heads, k.size(-1)).transpose(1, 2))
+        self._v[:, :, self._position].index_copy_(
+            0, self.entries, v.view(-1, g, heads, v.size(-1)).transpose(1, 2))
+
     def history(self) -> tuple[Tensor, Tensor, Tensor | None]:
         end = self._position + 1
         keys = self._k[:, :, :end].flatten(2, 3)  # (groups, heads, (t+1)*g, d_k)
@@ -255,6 +267,20 @@ class _GroupedLayer:
 
     def encoder(self) -> tuple[Tensor, Tensor, Tensor | None]:
         return self._cross
+
+
+def live_groups(live: Tensor, g: int) -> Tensor | None:
+    """The groups (e,) whose rows `live` (m,) lists, when it lists whole groups of g rows in
+    slot order (the search feeds a sentence's whole beam; trusted, and checked under
+    NMT_CHECK_LAYOUT=1 at the price of a host sync); None when m is no multiple of g."""
+    if live.numel() % g:
+        return None
+    groups = torch.div(live.view(-1, g)[:, 0], g, rounding_mode="floor")  # (e,)
+    if switch("NMT_CHECK_LAYOUT") == "1":
+        whole = (groups[:, None] * g + torch.arange(g, device=live.device)).view(-1)
+        if not torch.equal(whole, live):
+            raise RuntimeError(f"live rows {live.tolist()} are not whole groups of {g}")
+    return groups
 
 
 def slot_mask(state: GroupedCache, position: int) -> Tensor | None:

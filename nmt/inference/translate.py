@@ -50,7 +50,7 @@ from nmt.inference.search import (
     sample_decode,
 )
 from nmt.inference.workers import WorkerPool, check_workers, fork_safe_threads
-from nmt.model import fused_attention
+from nmt.model import add_norm, fused_attention
 from nmt.precision import resolve_precision
 from nmt.special_ids import EOS_ID, PAD_ID
 
@@ -218,6 +218,7 @@ class Engine:
             keep_freed_memory()  # per-step activations reuse pages instead of re-faulting
             fused_attention.enabled()  # build or load the C kernels once, before forks
             step_topk.enabled()
+            add_norm.enabled()
         precision = resolve_precision(precision, dev)  # auto -> bf16 / fp16 / fp32
         models, projections, vocab = [], [], None
         parameters = None

@@ -6,9 +6,11 @@
  * passes over memory on the same (nmt/model/fused_attention.py builds and calls this;
  * docs/performance.md has the measurements).
  *
- * Shapes: q (E, H, G, D), k (E, H, L, D), v (E, H, L, DV), mask (E, 1, G, L) additive
+ * Shapes: q (E, H, G, D), k (E', H, L, D), v (E', H, L, DV), mask (E', 1, G, L) additive
  * (0 / -inf, the same for every head; broadcast by zero strides) or none, out (E, H, G,
- * DV). Incremental decoding
+ * DV), query entry e reading cache entry entries[e] (e itself without a list: E' = E; a
+ * list lets a step feed only the sentences still decoding while the finished ones stay
+ * in the caches untouched). Incremental decoding
  * folds a sentence's G beam rows as the G queries of its entry; with the grouped cache's
  * slot mask each query reads only the keys of its own hypothesis. Vectors along D and DV
  * are contiguous; everything else goes by strides in elements. Types: float32 or bfloat16
@@ -27,6 +29,7 @@ enum {
     P_M_E, P_M_G, P_M_L,
     P_OUT_E, P_OUT_H, P_OUT_G,
     P_BF16, P_THREADS, P_SCALE_BITS, /* 1 = bfloat16; threads; scale as float32 bits */
+    P_ENTRIES, /* int64 (E,): the cache entry of each query entry; 0: entry e is entry e */
     P_COUNT
 };
 
@@ -55,8 +58,8 @@ static int64_t LIST(const T *m_r, int64_t m_l, int64_t L, int32_t *index, float 
                                                                                              \
 /* The entry's lists, made once for all its heads: query i's at lists + i * L, its mask    \
  * values at biases + i * L, counts[i] of them. */                                          \
-static void NAME(const int64_t *p, int64_t e, int64_t h, float *scores, const int32_t *lists, \
-                 const float *biases, const int64_t *counts) {                               \
+static void NAME(const int64_t *p, int64_t e, int64_t ke, int64_t h, float *scores,        \
+                 const int32_t *lists, const float *biases, const int64_t *counts) {         \
     const T *q = (const T *)p[P_Q], *k = (const T *)p[P_K], *v = (const T *)p[P_V];            \
     T *out = (T *)p[P_OUT];                                                                  \
     const int64_t G = p[P_G], L = p[P_L], D = p[P_D], DV = p[P_DV];                          \
@@ -65,8 +68,8 @@ static void NAME(const int64_t *p, int64_t e, int64_t h, float *scores, const in
     float scale;                                                                             \
     const int32_t scale_bits = (int32_t)p[P_SCALE_BITS];                                     \
     memcpy(&scale, &scale_bits, sizeof scale);                                               \
-    const T *k_eh = k + e * p[P_K_E] + h * p[P_K_H];                                         \
-    const T *v_eh = v + e * p[P_V_E] + h * p[P_V_H];                                         \
+    const T *k_eh = k + ke * p[P_K_E] + h * p[P_K_H];                                        \
+    const T *v_eh = v + ke * p[P_V_E] + h * p[P_V_H];                                        \
     for (int64_t i = 0; i < G; i++) {                                                        \
         const T *q_r = q + e * p[P_Q_E] + h * p[P_Q_H] + i * p[P_Q_G];                       \
         const int32_t *index = lists + i * L;                                                \
@@ -173,8 +176,9 @@ int nmt_attention(const int64_t *p) {
 #pragma omp for schedule(static)
         for (int64_t e = 0; e < E; e++) {
             if (!scratch) continue; /* every thread still meets the loop's barrier */
+            const int64_t ke = p[P_ENTRIES] ? ((const int64_t *)p[P_ENTRIES])[e] : e;
             for (int64_t i = 0; i < G; i++) {
-                const int64_t row = e * p[P_M_E] + i * p[P_M_G];
+                const int64_t row = ke * p[P_M_E] + i * p[P_M_G];
                 counts[i] = p[P_BF16]
                     ? list_bf16(p[P_MASK] ? (const bf16_t *)p[P_MASK] + row : NULL, p[P_M_L],
                                 L, lists + i * L, biases + i * L)
@@ -182,8 +186,8 @@ int nmt_attention(const int64_t *p) {
                                L, lists + i * L, biases + i * L);
             }
             for (int64_t h = 0; h < H; h++) {
-                if (p[P_BF16]) attend_bf16(p, e, h, scores, lists, biases, counts);
-                else attend_f32(p, e, h, scores, lists, biases, counts);
+                if (p[P_BF16]) attend_bf16(p, e, ke, h, scores, lists, biases, counts);
+                else attend_f32(p, e, ke, h, scores, lists, biases, counts);
             }
         }
         free(scratch);

@@ -28,7 +28,7 @@ import nmt.native as native
 
 SOURCE = Path(__file__).with_suffix(".c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-PARAMS = 29  # the parameter block's length: P_COUNT of the C source's enum
+PARAMS = 30  # the parameter block's length: P_COUNT of the C source's enum
 
 
 def enabled() -> bool:
@@ -51,15 +51,25 @@ def applies(q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | None) -> bool:
     return _kernel_for(q, k_t, v, mask) is not None
 
 
-def attend(q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | None) -> Tensor | None:
+def attend(q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | None,
+           entries: Tensor | None = None) -> Tensor | None:
     """softmax(q k^T / sqrt(d_k) + mask) v for q (b, heads, g, d_k), keys given
     transposed k_t (b, heads, d_k, len) (stored (b, heads, len, d_k)), v (b, heads, len,
-    d_v), `mask` None or additive (0 / -inf) broadcastable to (b, 1, g, len). Returns (b,
-    heads, g, d_v) as a view of a (b, g, heads, d_v) tensor, so that merging the heads is a
-    free reshape; None when the kernel cannot take the operands without copying (see
-    `_kernel_for`) or is off: then the caller computes it another way."""
+    d_v), `mask` None or additive (0 / -inf) broadcastable to (b, 1, g, len). With
+    `entries` (b',) long, q has b' entries and q's entry i reads entry entries[i] of the
+    keys, values and mask (the sentences a step still feeds, the others left in place).
+    Returns (b or b', heads, g, d_v) as a view of a (b or b', g, heads, d_v) tensor, so that
+    merging the heads is a free reshape; None when the kernel cannot take the operands
+    without copying (see `_kernel_for`) or is off: then the caller computes it another
+    way."""
     lib = _kernel_for(q, k_t, v, mask)
-    return None if lib is None else _run(lib, q, k_t, v, mask, torch.get_num_threads())
+    if lib is None:
+        return None
+    if entries is not None and not (entries.dtype == torch.long and entries.is_contiguous()
+                                    and entries.shape == q.shape[:1] and entries.is_cpu):
+        raise ValueError(f"attend: entries must be ({q.size(0)},) long on the CPU, "
+                         f"got {tuple(entries.shape)} {entries.dtype}")
+    return _run(lib, q, k_t, v, mask, torch.get_num_threads(), entries)
 
 
 def _kernel_for(q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | None
@@ -79,7 +89,7 @@ def _kernel_for(q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | None
 
 
 def _run(lib: ctypes.CDLL, q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | None,
-         threads: int) -> Tensor:
+         threads: int, entries: Tensor | None = None) -> Tensor:
     """`attend` through `lib` on `threads` threads."""
     b, heads, g, d = q.shape
     length, dv = k_t.size(-1), v.size(-1)
@@ -89,7 +99,7 @@ def _run(lib: ctypes.CDLL, q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | Non
     if mask is None:
         m_addr, m_strides = 0, (0, 0, 0)
     else:
-        full = mask.expand(b, 1, g, length)  # zero strides where broadcast
+        full = mask.expand(k_t.size(0), 1, g, length)  # zero strides where broadcast
         entry, _, query, position = full.stride()
         m_addr, m_strides = full.data_ptr(), (entry, query, position)
     params = array.array("q", (
@@ -97,7 +107,8 @@ def _run(lib: ctypes.CDLL, q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | Non
         b, heads, g, length, d, dv,
         *q.stride()[:3], *keys.stride()[:3], *v.stride()[:3], *m_strides,
         *view.stride()[:3],
-        DTYPES[q.dtype], threads, _float_bits(d ** -0.5)))
+        DTYPES[q.dtype], threads, _float_bits(d ** -0.5),
+        0 if entries is None else entries.data_ptr()))
     if lib.nmt_attention(params.buffer_info()[0]) != 0:
         raise MemoryError("fused attention: no memory for its scratch rows")
     return view

@@ -34,6 +34,21 @@ class LayerCache(Protocol):
         dropped), so their projections are never computed."""
         ...
 
+    @property
+    def entries(self) -> Tensor | None:
+        """(e,) long: the entries whose rows are fed this step, when `live` is a whole
+        number of entries in order (each entry's g rows consecutive, m = e * g); None when
+        all rows are fed or the cache cannot say. Then a layer may feed only those: queries
+        of the m rows, `write_live`, and attention over entries `entries` of the history
+        (finished sentences stay in the caches untouched, costing nothing)."""
+        ...
+
+    def write_live(self, k: Tensor, v: Tensor) -> None:
+        """Store this position's self-attention key (m, heads, d_k) and value (m, heads,
+        d_v) of the fed rows only (`live`, in its order; only when `entries` is not None);
+        the other rows' slots at this position are left as they are (never read)."""
+        ...
+
     def write(self, k: Tensor, v: Tensor) -> None:
         """Store this position's self-attention key (n, heads, d_k) and value
         (n, heads, d_v) of every row."""

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from nmt.config import ModelConfig
 from nmt.errors import UsageError
+from nmt.model.add_norm import add_norm_
 from nmt.model.attention import CrossAttention, SelfAttention, xavier_chunks_
 from nmt.model.dropout import dropout
 from nmt.model.incremental import LayerCache
@@ -107,7 +108,13 @@ class Residual(nn.Module):
         return self.norm(x) if self.pre_norm else x
 
     def after(self, x: Tensor, sublayer_out: Tensor) -> Tensor:
-        """Combine the residual `x` with the sub-layer output."""
+        """Combine the residual `x` with the sub-layer output. Post-norm at inference on a
+        CPU: one C kernel that writes the result over `sublayer_out` (every caller passes
+        the sub-layer's fresh output, used nowhere else; nmt/model/add_norm.py)."""
+        if not (self.training or self.pre_norm):
+            fused = add_norm_(sublayer_out, x, self.norm)
+            if fused is not None:
+                return fused
         y = x + dropout(sublayer_out, self.dropout, self.training)
         return y if self.pre_norm else self.norm(y)
 

@@ -95,7 +95,11 @@ class _PlainLayer:
 
     def __init__(self, cache: PlainCache, index: int, live: Tensor | None) -> None:
         self.rows, self.live = cache.rows, live
+        self.entries = None  # the reference feeds every row: no `write_live`
         self._cache, self._index = cache, index
+
+    def write_live(self, k: Tensor, v: Tensor) -> None:
+        raise RuntimeError("the plain cache takes every row's key and value (write)")
 
     def write(self, k: Tensor, v: Tensor) -> None:
         cache, i = self._cache, self._index

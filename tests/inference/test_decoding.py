@@ -155,9 +155,11 @@ def test_grouped_cache_equals_plain_cache_step_by_step(variant: dict) -> None:
                 7: torch.tensor([0, 0, 1, 3, 3, 3, 8, 8, 6]),
                 9: torch.tensor([6, 7, 8, 0, 1, 2, 3, 4, 5]),  # sentences swap places
                 12: torch.tensor([3, 4, 5, 6, 7, 8]),  # the first sentence leaves
-                20: torch.tensor([2, 0, 5, 3]),  # not whole beams: one row per group
+                16: torch.tensor([0, 1, 2]),  # then the one not fed at steps 14-15
+                20: torch.tensor([2, 0, 1, 1]),  # not whole beams: one row per group
                 25: torch.tensor([1, 0, 3, 2])}
-    live = {14: torch.tensor([0, 1, 2]), 15: torch.tensor([0, 1, 2])}  # sentence 2 done
+    # sentence 2 done at step 14: fed no more (its slots are never read again)
+    live = {14: torch.tensor([0, 1, 2]), 15: torch.tensor([0, 1, 2])}
     gen = torch.Generator().manual_seed(5)
     rows, layouts = 3, []
     for t in range(steps):
@@ -178,7 +180,7 @@ def test_grouped_cache_equals_plain_cache_step_by_step(variant: dict) -> None:
                                    rtol=1e-5, atol=1e-6)
         if fused_attention.enabled():  # the C kernel's key layout survives every reorder
             assert caches["grouped"].cross_k[0].stride(-2) == 1
-    assert layouts == [3, 3, 3, 3, 3, 1, 1]  # grouped beams, then the per-row fallback
+    assert layouts == [3, 3, 3, 3, 3, 3, 1, 1]  # grouped beams, then the per-row fallback
     assert caches["grouped"].capacity >= steps
 
 

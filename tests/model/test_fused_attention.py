@@ -12,7 +12,7 @@ import torch
 from helpers.native import without_a_compiler
 
 from nmt.model import fused_attention
-from nmt.model.attention import additive_mask, attend_one
+from nmt.model.attention import additive_mask, attend_entries, attend_one
 
 pytestmark = pytest.mark.isa  # compiled for the vector ISA in use: CI runs these at AVX2 too
 
@@ -169,3 +169,24 @@ def test_its_first_use_may_come_under_autocast() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
         assert fused_attention.enabled()
     assert fused_attention.enabled()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked", ["slots", "padding", "none"])
+def test_an_entry_list_reads_those_entries_in_place(dtype, masked) -> None:
+    """With `entries`, query entry i attends over cache entry entries[i] (keys, values and
+    mask), the others never read: bit for bit what the whole batch gives those entries,
+    even where the skipped entries hold NaN; any other PyTorch path gathers them first."""
+    q, k_t, v, mask = operands(6, 4, 4, 13, 64, dtype, masked, seed=11)
+    whole = attend_one(q, k_t, v, mask)  # (6, heads, g, d)
+    entries = torch.tensor([4, 1, 5])
+    poisoned_k, poisoned_v = k_t.clone(), v.clone()
+    for e in (0, 2, 3):
+        poisoned_k[e], poisoned_v[e] = float("nan"), float("nan")
+    got = fused_attention.attend(q[entries], poisoned_k, poisoned_v, mask, entries)
+    assert got is not None and torch.equal(got, whole[entries])
+    gathered = attend_entries(q[entries], poisoned_k, poisoned_v, mask, entries)
+    assert torch.equal(gathered, whole[entries])
+    with pytest.raises(ValueError, match="entries"):
+        fused_attention.attend(q[entries], k_t, v, mask, entries.int())

@@ -1,0 +1,109 @@
+"""A post-norm residual at inference on a CPU as one C kernel (add_norm.c), built on first use.
+
+Why: `LayerNorm(x + sublayer(x))` in eager PyTorch is an add and a layer_norm, two
+dispatched ops and three passes over the rows (the sum written, read for its moments,
+read again for the output), three times per decoder layer and step; the kernel does it in
+one call with each row kept in the L1 cache, and writes the result over the sub-layer's
+output, which nothing else holds, so it allocates nothing either.
+
+How: built on first use by nmt/native.py and checked once per process against PyTorch;
+without a compiler, or when the build or the check fails, `add_norm_` returns None (one
+line on stderr says why) and the caller runs PyTorch's ops. Only where no gradient is
+wanted and no autocast is on: training never takes it. NMT_FUSED_ADD_NORM=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import functools
+import struct
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+import nmt.native as native
+
+SOURCE = Path(__file__).with_suffix(".c")
+PARAMS = 14  # the parameter block's length: P_COUNT of the C source's enum
+MAX_D = 8192  # MAX_D of the C source
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def enabled() -> bool:
+    """Whether the kernel is wanted (NMT_FUSED_ADD_NORM) and built and checked here."""
+    return KERNEL.enabled()
+
+
+def add_norm_(out: Tensor, x: Tensor, norm: nn.LayerNorm) -> Tensor | None:
+    """`norm(x + out)` written into `out` and returned, or None (nothing written) when
+    the kernel does not take these operands: both CPU tensors of one shape and dtype
+    (float32 or bfloat16), contiguous, `norm` over their last dim with weight and bias of
+    either dtype, no gradient wanted, no autocast on, the kernel built and checked (see
+    module docstring). Then the caller computes it with PyTorch's ops. Called three times
+    per decoder layer and step, so the checks are ordered cheapest first."""
+    dtype = out.dtype
+    if dtype not in DTYPES or x.dtype != dtype or not out.is_cpu:
+        return None
+    weight, bias = norm.weight, norm.bias
+    if torch.is_grad_enabled() and (out.requires_grad or x.requires_grad
+                                    or weight.requires_grad):
+        return None
+    if (bias is None or weight.dtype not in DTYPES or bias.dtype != weight.dtype
+            or torch.is_autocast_enabled("cpu")):
+        return None
+    shape = out.shape
+    if (x.shape != shape or not shape or not 0 < shape[-1] <= MAX_D
+            or norm.normalized_shape != shape[-1:]
+            or not (out.is_contiguous() and x.is_contiguous() and weight.is_contiguous()
+                    and bias.is_contiguous())):
+        return None
+    lib = KERNEL.library()
+    if lib is None:
+        return None
+    _run(lib, out, x, weight, bias, norm.eps, torch.get_num_threads())
+    return out
+
+
+def _run(lib: ctypes.CDLL, out: Tensor, x: Tensor, weight: Tensor, bias: Tensor, eps: float,
+         threads: int) -> None:
+    """out = LayerNorm(x + out) * weight + bias over the last dim (d > 0), through `lib`."""
+    d = out.size(-1)
+    params = array.array("q", (
+        x.data_ptr(), out.data_ptr(), out.data_ptr(), weight.data_ptr(), bias.data_ptr(),
+        out.numel() // d, d, d, d, d, DTYPES[out.dtype], DTYPES[weight.dtype],
+        _float_bits(eps), threads))
+    if lib.nmt_add_norm(params.buffer_info()[0]) != 0:
+        raise ValueError(f"fused add + LayerNorm: rows of {d} exceed its {MAX_D}")
+
+
+@functools.cache
+def _float_bits(value: float) -> int:
+    """The float32 bit pattern of `value`, as the kernel reads its epsilon."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
+def _agrees(lib: ctypes.CDLL) -> bool:
+    """The kernel against PyTorch's add and layer_norm: float32 and bfloat16 rows, weights
+    of either dtype, a width that is not a multiple of the vector (the tails)."""
+    gen = torch.Generator().manual_seed(0)
+    for dtype, w_dtype, tol in ((torch.float32, torch.float32, 1e-5),
+                                (torch.bfloat16, torch.bfloat16, 1e-2),
+                                (torch.bfloat16, torch.float32, 1e-2)):
+        for d in (64, 75):
+            x = (torch.randn(5, d, generator=gen) * 3 + 1).to(dtype)
+            s = torch.randn(5, d, generator=gen).to(dtype)
+            weight = (torch.rand(d, generator=gen) + 0.5).to(w_dtype)
+            bias = torch.randn(d, generator=gen).to(w_dtype)
+            want = torch.nn.functional.layer_norm(x + s, (d,), weight.to(dtype),
+                                                  bias.to(dtype), 1e-5)
+            got = s.clone()
+            _run(lib, got, x, weight, bias, 1e-5, 1)
+            if not torch.allclose(got.float(), want.float(), atol=tol, rtol=tol):
+                return False
+    return True
+
+
+KERNEL = native.Kernel(SOURCE, "nmt_add_norm", PARAMS, _agrees, "NMT_FUSED_ADD_NORM",
+                       "the fused add + LayerNorm kernel", "PyTorch's add and layer_norm run")
