@@ -91,6 +91,19 @@ static void row_f32(const float *x, const float *s, float *out, const void *w, c
     for (; j < d; j++) out[j] = (out[j] - mean) * rstd * param(w, j, w_bf16) + param(b, j, w_bf16);
 }
 
+#if defined(__AVX512BF16__) && LANES == 16
+/* With AVX512-BF16 one instruction rounds 16 floats to bfloat16 (to nearest even, NaN kept
+ * NaN; denormals flush to zero, which no LayerNorm input or output here comes near). */
+static inline void store_bf16(bf16_t *out, vf y) {
+    __m256bh half = _mm512_cvtneps_pbh((__m512)y);
+    memcpy(out, &half, sizeof half);
+}
+
+static inline vf round_bf16(vf y) {
+    __m512i wide = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh((__m512)y));
+    return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#else
 /* The bfloat16 bit patterns (in the high halves) of a vector of floats rounded to nearest
  * even, NaN kept NaN. */
 static inline vu32 bf16_bits(vf y) {
@@ -114,6 +127,7 @@ static inline void store_bf16(bf16_t *out, vf y) {
     vu16 half = __builtin_convertvector(bf16_bits(y) >> 16, vu16);
     memcpy(out, &half, sizeof half);
 }
+#endif
 
 /* One bfloat16 row: the sum rounded to bfloat16 (kept as float32 in `z`, d entries), then
  * normalised as above and rounded once. */
