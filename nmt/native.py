@@ -19,6 +19,7 @@ import hashlib
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -44,6 +45,13 @@ def isa_flags() -> tuple[str, ...]:
     if cap == "default":
         return ()
     return ("-march=native",)
+
+
+@functools.cache
+def float_bits(value: float) -> int:
+    """The float32 bit pattern of `value`, as the kernels read a float from their int64
+    parameter blocks."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
 class Kernel:

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import array
 import ctypes
-import functools
-import struct
 from pathlib import Path
 
 import torch
@@ -73,15 +71,10 @@ def _run(lib: ctypes.CDLL, out: Tensor, x: Tensor, weight: Tensor, bias: Tensor,
     params = array.array("q", (
         x.data_ptr(), out.data_ptr(), out.data_ptr(), weight.data_ptr(), bias.data_ptr(),
         out.numel() // d, d, d, d, d, DTYPES[out.dtype], DTYPES[weight.dtype],
-        _float_bits(eps), threads))
+        native.float_bits(eps), threads))
     if lib.nmt_add_norm(params.buffer_info()[0]) != 0:
         raise ValueError(f"fused add + LayerNorm: rows of {d} exceed its {MAX_D}")
 
-
-@functools.cache
-def _float_bits(value: float) -> int:
-    """The float32 bit pattern of `value`, as the kernel reads its epsilon."""
-    return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
 def _agrees(lib: ctypes.CDLL) -> bool:

@@ -112,10 +112,9 @@ class SelfAttention(nn.Module):
             q, k, v = qkv.split(self.sizes, dim=-1)  # each (m, 1, heads*d)
             cache.write_live(k.view(m, self.heads, self.d_k), v.view(m, self.heads, self.d_v))
             keys, values, mask = cache.history()  # (all entries, heads, length, d), mask
-            q = q.view(entries.numel(), -1, self.heads, self.d_k).transpose(1, 2)
-            # q: (e, heads, g, d_k)
-            context = attend_entries(q, keys.transpose(-1, -2), values, mask, entries)
-            return self.out(context.transpose(1, 2).reshape(m, 1, -1))  # (m, 1, d_model)
+            context = attend_entries(q, keys.transpose(-1, -2), values, mask, entries,
+                                     self.heads)  # (m, 1, heads*d_v)
+            return self.out(context)  # (m, 1, d_model)
         n = cache.rows
         qkv = all_rows(self.qkv(x), cache)  # (n, 1, 3 sizes)
         q, k, v = qkv.split(self.sizes, dim=-1)  # each (n, 1, heads*d)
@@ -137,18 +136,22 @@ def _feeds_live_only(x: Tensor) -> bool:
     return x.device.type == "cpu" and fused_attention.enabled()
 
 
-def attend_entries(q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | None, entries: Tensor
-                   ) -> Tensor:
-    """`attend_one` of q (e, heads, g, d_k) against entries `entries` (e,) of the keys
-    k_t (E, heads, d_k, len), values (E, heads, len, d_v) and mask (E or 1, 1, g, len):
-    the C kernel reads them in place; otherwise they are gathered first. (e, heads, g,
-    d_v)."""
-    fused = fused_attention.attend(q, k_t, v, mask, entries)
-    if fused is not None:
-        return fused
-    if mask is not None and mask.size(0) > 1:
-        mask = mask.index_select(0, entries)
-    return attend_one(q, k_t.index_select(0, entries), v.index_select(0, entries), mask)
+def attend_entries(q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | None, entries: Tensor,
+                   heads: int) -> Tensor:
+    """Attention of the fed rows' queries q (m, 1, heads*d_k), g = m / e consecutive rows
+    per entry of `entries` (e,), against those entries of the keys k_t (E, heads, d_k,
+    len), values (E, heads, len, d_v) and mask (E or 1, 1, g, len): the C kernel reads
+    them in place; otherwise they are gathered first. Returns (m, 1, heads*d_v)."""
+    m = q.size(0)
+    q = q.view(entries.numel(), -1, heads, q.size(-1) // heads).transpose(1, 2)
+    # q: (e, heads, g, d_k)
+    context = fused_attention.attend(q, k_t, v, mask, entries)
+    if context is None:
+        if mask is not None and mask.size(0) > 1:
+            mask = mask.index_select(0, entries)
+        context = attend_one(q, k_t.index_select(0, entries), v.index_select(0, entries),
+                             mask)
+    return context.transpose(1, 2).reshape(m, 1, -1)  # (e, heads, g, d_v) -> (m, 1, ...)
 
 
 def all_rows(x: Tensor, cache: LayerCache) -> Tensor:
@@ -360,12 +363,9 @@ class CrossAttention(nn.Module):
         k_t, v, attn_mask = cache.encoder()  # (entries, heads, d, src_len), V, mask
         fed = cache.entries
         if fed is not None and not need_weights and _feeds_live_only(x):
-            q = self.q(x)  # (m, 1, heads*d_k)
-            m = q.size(0)
-            q = q.view(fed.numel(), -1, self.heads, self.d_k).transpose(1, 2)
-            # q: (e, heads, g, d_k)
-            context = attend_entries(q, k_t, v, attn_mask, fed)  # (e, heads, g, d_v)
-            return self.out(context.transpose(1, 2).reshape(m, 1, -1)), None
+            context = attend_entries(self.q(x), k_t, v, attn_mask, fed,
+                                     self.heads)  # (m, 1, heads*d_v)
+            return self.out(context), None
         n = cache.rows
         entries = k_t.size(0)
         q = all_rows(self.q(x), cache)  # (n, 1, heads*d_k)

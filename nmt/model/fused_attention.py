@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import array
 import ctypes
-import functools
-import struct
 from pathlib import Path
 
 import torch
@@ -107,17 +105,12 @@ def _run(lib: ctypes.CDLL, q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | Non
         b, heads, g, length, d, dv,
         *q.stride()[:3], *keys.stride()[:3], *v.stride()[:3], *m_strides,
         *view.stride()[:3],
-        DTYPES[q.dtype], threads, _float_bits(d ** -0.5),
+        DTYPES[q.dtype], threads, native.float_bits(d ** -0.5),
         0 if entries is None else entries.data_ptr()))
     if lib.nmt_attention(params.buffer_info()[0]) != 0:
         raise MemoryError("fused attention: no memory for its scratch rows")
     return view
 
-
-@functools.cache
-def _float_bits(value: float) -> int:
-    """The float32 bit pattern of `value`, as the kernel reads its scale."""
-    return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
 def _agrees(lib: ctypes.CDLL) -> bool:

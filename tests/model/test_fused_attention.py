@@ -174,7 +174,7 @@ def test_its_first_use_may_come_under_autocast() -> None:
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("masked", ["slots", "padding", "none"])
-def test_an_entry_list_reads_those_entries_in_place(dtype, masked) -> None:
+def test_an_entry_list_reads_those_entries_in_place(dtype, masked, monkeypatch) -> None:
     """With `entries`, query entry i attends over cache entry entries[i] (keys, values and
     mask), the others never read: bit for bit what the whole batch gives those entries,
     even where the skipped entries hold NaN; any other PyTorch path gathers them first."""
@@ -186,7 +186,13 @@ def test_an_entry_list_reads_those_entries_in_place(dtype, masked) -> None:
         poisoned_k[e], poisoned_v[e] = float("nan"), float("nan")
     got = fused_attention.attend(q[entries], poisoned_k, poisoned_v, mask, entries)
     assert got is not None and torch.equal(got, whole[entries])
-    gathered = attend_entries(q[entries], poisoned_k, poisoned_v, mask, entries)
-    assert torch.equal(gathered, whole[entries])
+    rows = q[entries].transpose(1, 2).reshape(12, 1, 4 * 64)  # the fed rows (e * g, 1, ...)
+    want = whole[entries].transpose(1, 2).reshape(12, 1, 4 * 64)
+    assert torch.equal(attend_entries(rows, poisoned_k, poisoned_v, mask, entries, 4), want)
+    monkeypatch.setenv("NMT_FUSED_ATTENTION", "0")  # PyTorch's path: gathered first
+    gathered = attend_entries(rows, poisoned_k, poisoned_v, mask, entries, 4)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(gathered.float(), want.float(), atol=tol, rtol=tol)
+    monkeypatch.delenv("NMT_FUSED_ATTENTION")
     with pytest.raises(ValueError, match="entries"):
         fused_attention.attend(q[entries], k_t, v, mask, entries.int())
