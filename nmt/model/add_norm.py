@@ -76,7 +76,6 @@ def _run(lib: ctypes.CDLL, out: Tensor, x: Tensor, weight: Tensor, bias: Tensor,
         raise ValueError(f"fused add + LayerNorm: rows of {d} exceed its {MAX_D}")
 
 
-
 def _agrees(lib: ctypes.CDLL) -> bool:
     """The kernel against PyTorch's add and layer_norm: float32 and bfloat16 rows, weights
     of either dtype, a width that is not a multiple of the vector (the tails)."""
