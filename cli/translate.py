@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -97,6 +98,9 @@ def command(
                                  precision=run.precision, max_src_len=max_src_len,
                                  seed=run.seed, weights=run.weights, workers=plan.workers,
                                  threads=plan.threads, shortlist=shortlist)
+        if plan.workers == 1:  # decoding here: keep the loaded objects out of the collector's
+            gc.collect()  # full passes, as the workers' parent does before it forks
+            gc.freeze()
         with translator_lifetime(translator):
             _translate(translator, input_path, output, run.precision, run.errors, stats,
                        prefix_file, attention, attention_layer, attention_heads, interactive)

@@ -205,6 +205,16 @@ class DecodingWorkspace:
         self._logits = logits
 
 
+def likely_positions(src_len: int) -> int:
+    """Target positions to preallocate for sources of at most `src_len` pieces: 1.5 times
+    that plus 8 (BOS, EOS and slack), which covers nearly every hypothesis of a language
+    pair of similar lengths. The search's limit (`--max-len-a/b`: source + 50 by default)
+    is a bound, not a length: reserving it made every decoder's caches 2-5 times what
+    short sentences fill, and on a CPU, where freed blocks stay in the heap
+    (nmt/host_memory.py), the heap grew to that size page fault by page fault."""
+    return src_len + src_len // 2 + 8
+
+
 class ModelStepDecoder:
     """StepDecoder over a `Transformer` for one batch: encodes once, then decodes one token
     at a time.
@@ -223,6 +233,7 @@ class ModelStepDecoder:
                  columns: Tensor | None = None) -> None:
         self.model = model
         self.state = init_state(model, model.encode(src), cache=cache)
+        self._likely = likely_positions(src.size(1))
         self.projection = None if workspace is None else workspace.projection
         # A shortlist: the search sees columns 0..V'-1 (token `columns[c]`), the specials
         # first, so their ids are their columns.
@@ -271,9 +282,10 @@ class ModelStepDecoder:
         return tokens if self.columns is None else self.columns[tokens]
 
     def reserve(self, positions: int) -> None:
-        """Preallocate the key/value caches for `positions` target tokens (capped by the
-        model's positions)."""
-        self.state.reserve(positions)
+        """Preallocate the key/value caches for the tokens the search will likely feed:
+        `positions` at most, fewer when the sources are short (`likely_positions`); a
+        longer hypothesis grows them by doubling."""
+        self.state.reserve(min(positions, self._likely))
 
     def reorder(self, new_order: Tensor, layout: Regroup | None = None) -> None:
         """Select/duplicate rows of the key/value cache and the encoder mask; `layout`,

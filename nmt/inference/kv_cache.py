@@ -124,8 +124,10 @@ class GroupedCache:
 
     def reserve(self, positions: int) -> None:
         """Make room for `positions` target tokens in all (capped by `limit`), so a search
-        that knows its length limit grows the caches once, before the first step, instead
-        of copying them at every doubling. Untouched capacity costs address space only."""
+        that knows about how long its hypotheses get grows the caches once, before the
+        first step, instead of copying them at every doubling. Capacity is memory: on a CPU
+        the heap reuses pages earlier batches touched, so reserve a likely length, not a
+        far bound (`ModelStepDecoder.reserve`)."""
         self.check_live()
         positions = min(positions, self.limit)
         if positions > self.capacity:

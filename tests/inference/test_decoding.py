@@ -23,6 +23,7 @@ from nmt.inference.decoding import (
     decode_step,
     greedy_search,
     init_state,
+    likely_positions,
 )
 from nmt.inference.kv_cache import INITIAL_CAPACITY, GroupedCache, Regroup
 from nmt.inference.search import FullStepDecoder, beam_search, max_output_lengths
@@ -203,6 +204,33 @@ def test_beam_search_over_grouped_cache_equals_plain_cache(alpha: float) -> None
         for x, y in zip(fast, plain, strict=True):
             assert x.score == pytest.approx(y.score, abs=1e-5)
     assert len({tuple(h[0].tokens) for h in found["plain"]}) > 3  # outputs differ by input
+
+
+@torch.no_grad()
+def test_caches_reserve_a_likely_length_and_grow_past_it() -> None:
+    """The decoder preallocates for about 1.5x the sources, not the search's far bound;
+    hypotheses forced longer than that grow the caches and find what the plain cache
+    (no preallocation) finds."""
+    model = tiny_model(seed=13)
+    src = padded([SOURCES[0], [17], [6, 21]])  # (3, 8)
+    max_lens = max_output_lengths(src, 1.0, 40, cap=60)
+    likely = likely_positions(src.size(1))
+    assert INITIAL_CAPACITY < likely < int(max_lens.max()) + 2
+    found = {}
+    for name, cache in (("grouped", GroupedCache), ("plain", PlainCache)):
+        with ModelStepDecoder(model, src, cache=cache) as decoder:
+            if name == "grouped":
+                decoder.reserve(int(max_lens.max()) + 2)
+                assert decoder.state.capacity == likely
+            found[name] = beam_search(decoder, max_lens, beam=4, alpha=0.6, nbest=2,
+                                      min_len=2 * likely)
+            if name == "grouped":
+                assert decoder.state.capacity > 2 * likely
+    for fast, plain in zip(found["grouped"], found["plain"], strict=True):
+        assert [h.tokens for h in fast] == [h.tokens for h in plain]
+        assert all(len(h.tokens) >= 2 * likely for h in fast)
+        for x, y in zip(fast, plain, strict=True):
+            assert x.score == pytest.approx(y.score, abs=1e-5)
 
 
 # --- Search invariants on a real (tiny, random-init, sharpened) Transformer ----------
