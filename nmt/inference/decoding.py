@@ -208,10 +208,9 @@ class DecodingWorkspace:
 def likely_positions(src_len: int) -> int:
     """Target positions to preallocate for sources of at most `src_len` pieces: 1.5 times
     that plus 8 (BOS, EOS and slack), which covers nearly every hypothesis of a language
-    pair of similar lengths. The search's limit (`--max-len-a/b`: source + 50 by default)
-    is a bound, not a length: reserving it made every decoder's caches 2-5 times what
-    short sentences fill, and on a CPU, where freed blocks stay in the heap
-    (nmt/host_memory.py), the heap grew to that size page fault by page fault."""
+    pair of similar lengths. The search's limit (`--max-len-a/b`) is a bound, not a length:
+    on a CPU freed blocks stay in the heap (nmt/host_memory.py), so capacity reserved for
+    the bound is memory each worker keeps (docs/performance.md)."""
     return src_len + src_len // 2 + 8
 
 
