@@ -124,12 +124,12 @@ def _translate(translator: Engine, input_path: Path | None, output: Path | None,
                interactive: bool) -> None:
     """The body of `command` once the model is loaded."""
     from nmt.inference.translate import translate_stream
-    from nmt.precision import emulation_note  # torch: load lazily
+    from nmt.precision import precision_note  # torch: load lazily
 
-    # bf16/fp16 on a CPU that only emulates it: named, with its measured cost
-    note = emulation_note(precision, translator.device, training=False)
-    if note:
-        warn("translate", f"--precision {precision} will be slow: {note}")
+    # bf16/fp16 that is slow on this CPU (emulated, or native but slower than fp32): named
+    note = precision_note(precision, translator.device, training=False)
+    if note and note.startswith("slow: "):
+        warn("translate", f"--precision {precision} will be slow: {note[len('slow: '):]}")
     observe = None
     if attention is not None:
         from nmt.inference.attention_map import AttentionWriter

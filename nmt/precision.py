@@ -1,38 +1,132 @@
 """Mixed precision policy: which autocast context each --precision value means.
 
-`auto` asks oneDNN whether the CPU computes bf16 natively (AVX512-BF16 or AMX), so the
-documented way to tell it that a CPU has no native bf16, or to see what such a CPU gets, is
-oneDNN's own cap: `ONEDNN_MAX_CPU_ISA=AVX2` (or `AVX512_CORE`) makes `auto` resolve to fp32
-and every oneDNN kernel run its AVX2 code. An explicit bf16/fp16 on a CPU that only
-emulates it is allowed but named, with its measured cost (`emulation_note`): emulated bf16
-matmuls run at a fraction of fp32's speed.
+`auto` on a CPU picks bf16 only where it pays: oneDNN must compute bf16 natively
+(AVX512-BF16 or AMX) and a bf16 matmul must run measurably faster than an fp32 one here
+(`cpu_bf16_speedup`, measured once per machine and cached). Native is not enough: an Intel
+Xeon without AMX (or whose AMX its hypervisor hides) runs bf16 through AVX512-BF16 slower
+than fp32, and trains slower in it (docs/performance.md, "CPU classes").
+The documented way to see what a CPU without native bf16 gets is oneDNN's own cap:
+`ONEDNN_MAX_CPU_ISA=AVX2` (or `AVX512_CORE`) makes `auto` resolve to fp32 and every oneDNN
+kernel run its AVX2 code. An explicit bf16/fp16 on a CPU where it is slow is allowed but
+named, with its measured cost (`precision_note`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import json
+import os
+import tempfile
 import time
 
 import torch
 
 from nmt.errors import UsageError
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock, each process measures alike anyway
+    fcntl = None  # type: ignore[assignment]
+
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# `auto` takes bf16 on a CPU only where its matmul is at least this many times fp32's speed:
+# near parity fp32 wins (no casts in training, full precision).
+BF16_PAYS_FROM = 1.15
+# What the measurement depends on besides the CPU and torch: the kernel libraries' ISA caps.
+_ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
+            "MKL_ENABLE_INSTRUCTIONS")
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
-    """`auto` -> the fastest safe choice for `device`: bf16 where the hardware computes it
-    natively (Ampere+ GPUs; CPUs with AVX512-BF16 or AMX), fp16 on older GPUs, else fp32
-    (emulated bf16 on a CPU without it is slower than fp32). Other values pass through."""
+    """`auto` -> the fastest safe choice for `device`: bf16 on Ampere+ GPUs, fp16 on older
+    ones; on a CPU bf16 where it is native and measured faster than fp32 (`cpu_bf16_pays`),
+    else fp32. Other values pass through."""
     if precision == "int8" and device.type != "cpu":
         raise UsageError("--precision int8 is for CPUs; on a GPU use auto, bf16 or fp16")
     if precision != "auto":
         return precision
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    if device.type == "cpu" and cpu_native("bf16"):
+    if device.type == "cpu" and cpu_bf16_pays():
         return "bf16"
     return "fp32"
+
+
+def cpu_bf16_pays() -> bool:
+    """Whether `auto` takes bf16 on this CPU: native, and its matmul at least
+    BF16_PAYS_FROM times fp32's speed."""
+    return cpu_native("bf16") and cpu_bf16_speedup() >= BF16_PAYS_FROM
+
+
+@functools.cache
+def cpu_bf16_speedup() -> float:
+    """fp32's time over bf16's for one matmul on this CPU (> 1: bf16 is faster), measured
+    once per machine (CPU model and flags, torch version, ISA caps) and kept in the cache
+    directory, so every run and every rank of a run decides alike; the first process
+    measures under a file lock while the others wait. Measured in-process where the cache
+    cannot be written."""
+    from nmt.native import cache_dir  # where the C kernels are cached too
+
+    path = cache_dir() / f"bf16-speed-{_machine_key()}.json"
+    try:
+        with open(path.with_suffix(".lock"), "a+b") as lock:
+            if fcntl is not None:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                return float(json.loads(path.read_text(encoding="utf-8"))["speedup"])
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+            record = measure_bf16_speedup()
+            with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False,
+                                             suffix=".tmp", encoding="utf-8") as tmp:
+                json.dump(record, tmp)
+            os.replace(tmp.name, path)  # atomic: a reader sees all or nothing
+            return float(record["speedup"])
+    except OSError:
+        return float(measure_bf16_speedup()["speedup"])
+
+
+def _machine_key() -> str:
+    """A short hash of what `cpu_bf16_speedup` depends on."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            lines = [line for line in info if line.startswith(("model name", "flags"))][:2]
+    except OSError:
+        import platform
+
+        lines = [platform.processor(), platform.machine()]
+    caps = [f"{name}={os.environ.get(name, '')}" for name in _ISA_ENV]
+    text = "\n".join([*lines, torch.__version__, *caps])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def measure_bf16_speedup(size: int = 512, repeats: int = 7) -> dict[str, float]:
+    """Time one (size x size) @ (size x size) linear in fp32 and in bf16 on one thread (the
+    best of `repeats`, interleaved, after a warm-up; about 50 ms): their times in ms and
+    fp32's over bf16's. One thread: a parent that forks workers must not have opened an
+    OpenMP region of more (nmt/inference/workers.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        pairs = {}
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            x = torch.randn(size, size, generator=gen).to(dtype)
+            w = torch.randn(size, size, generator=gen).to(dtype)
+            pairs[name] = (x, w)
+        best = dict.fromkeys(pairs, float("inf"))
+        for round_ in range(repeats + 1):
+            for name, (x, w) in pairs.items():
+                start = time.perf_counter()
+                torch.nn.functional.linear(x, w)
+                if round_:  # the first round warms up
+                    best[name] = min(best[name], time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return {"fp32_ms": best["fp32"] * 1e3, "bf16_ms": best["bf16"] * 1e3,
+            "speedup": best["fp32"] / best["bf16"]}
 
 
 def cpu_native(precision: str) -> bool:
@@ -75,18 +169,32 @@ def emulation_slowdown(precision: str, training: bool, size: int = 384,
     return best(precision) / best("fp32")
 
 
-def emulation_note(precision: str, device: torch.device, training: bool) -> str | None:
-    """For bf16/fp16 on a CPU that only emulates it: one line saying so, with the measured
-    cost against fp32 (of a training step's linear when `training`, else of a forward) and
-    what `auto` would pick; None where the precision is native, fp32, int8, or on a GPU."""
-    if device.type != "cpu" or precision not in AUTOCAST_DTYPES or cpu_native(precision):
+def precision_note(precision: str, device: torch.device, training: bool,
+                   setting: str | None = None) -> str | None:
+    """One line on why `precision` (as resolved) is slow or was chosen on this CPU, or None:
+    - bf16/fp16 emulated (no native kernels): "slow: ...", with the cost of one linear
+      layer against fp32 (a training step's when `training`, else a forward's);
+    - bf16 native but measured slower than fp32 here: "slow: ...", with that measurement;
+    - `setting` auto resolved to fp32 although bf16 is native: "auto: ..." saying why.
+    On a GPU, for int8, and where bf16 pays: None."""
+    if device.type != "cpu":
         return None
-    slowdown = emulation_slowdown(precision, training)
-    what = "forward+backward" if training else "forward"
-    return (f"this CPU has no native {precision} kernels (oneDNN emulates them: no "
-            f"AVX512-{precision.upper()}/AMX, or capped by ONEDNN_MAX_CPU_ISA); one linear "
-            f"{what} measured {slowdown:.1f}x slower than fp32 here. "
-            f"--precision auto picks {resolve_precision('auto', device)}")
+    if precision in AUTOCAST_DTYPES and not cpu_native(precision):
+        slowdown = emulation_slowdown(precision, training)
+        what = "forward+backward" if training else "forward"
+        return (f"slow: this CPU has no native {precision} kernels (oneDNN emulates them: "
+                f"no AVX512-{precision.upper()}/AMX, or capped by ONEDNN_MAX_CPU_ISA); one "
+                f"linear {what} measured {slowdown:.1f}x slower than fp32 here. "
+                f"--precision auto picks {resolve_precision('auto', device)}")
+    native_slow = cpu_native("bf16") and not cpu_bf16_pays()
+    if precision == "bf16" and native_slow:
+        return (f"slow: this CPU computes bf16 natively, but its bf16 matmul measured "
+                f"{cpu_bf16_speedup():.2f}x fp32's speed here (AVX512-BF16 without AMX "
+                f"does that). --precision auto picks fp32")
+    if setting == "auto" and precision == "fp32" and native_slow:
+        return (f"auto: fp32, as this CPU's native bf16 matmul measured "
+                f"{cpu_bf16_speedup():.2f}x fp32's speed here")
+    return None
 
 
 def grad_scaler(device: torch.device, enabled: bool) -> torch.amp.GradScaler:

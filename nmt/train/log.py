@@ -135,9 +135,10 @@ class RunLog:
 
 def start_line(cfg: TrainConfig, batching: Batching, world_size: int, pairs: int,
                batches: Batches, weighted: bool, precision: str, device: str,
-               slow: str | None, step: int) -> str:
+               note: str | None, step: int) -> str:
     """The run's first line: its data (`batches`: the first epoch's), the batch of an
-    update, the precision (`slow`: why it is slow on this device) and a resumed `step`."""
+    update, the precision (`note`: why it is slow or was chosen on this device:
+    nmt.precision.precision_note) and a resumed `step`."""
     return (f"{pairs} training pairs"
             + (" (corpora sampled by weight each epoch)" if weighted else "")
             + f" in {len(batches.batches)} batches ({batches.skipped} longer than "
@@ -146,7 +147,7 @@ def start_line(cfg: TrainConfig, batching: Batching, world_size: int, pairs: int
             + (f" (derived from --batch-tokens {cfg.batch_tokens} real tokens per side: "
                f"{fill_note(batching, world_size)})" if cfg.batch_tokens else "")
             + f"; precision {precision} on {device}"
-            + (f" (slow: {slow})" if slow else "")
+            + (f" ({note})" if note else "")
             + (f"; resuming from update {step}" if step else ""))
 
 

@@ -26,7 +26,7 @@ from nmt.config import ModelConfig, TrainConfig
 from nmt.data.batch_tokens import derive_batching
 from nmt.data.dataset import ParallelData, language_pair, load_vocab
 from nmt.errors import Preempted, TrainingAborted
-from nmt.precision import emulation_note
+from nmt.precision import precision_note
 from nmt.train.best import BestTracker
 from nmt.train.distributed import (
     broadcast_object,
@@ -157,8 +157,9 @@ class Trainer:
         built = build_model(self.model_cfg, train_cfg, self.device, self.env.rank)
         self.model, self.optimizer, self.schedule = built.model, built.optimizer, built.schedule
         self.scaler, self.precision, self.deferred = built.scaler, built.precision, built.deferred
-        # An explicit bf16/fp16 on a CPU that emulates it: named with its measured cost.
-        self.precision_note = emulation_note(self.precision, self.device, training=True) \
+        # bf16/fp16 that is slow on this CPU, or `auto` passing over native bf16: why.
+        self.precision_note = precision_note(self.precision, self.device, training=True,
+                                             setting=train_cfg.precision) \
             if self.env.is_main else None
         check_ranks_agree(self.env, fingerprint(
             self.model_cfg, train_cfg, self.precision, self.device, self.deferred,

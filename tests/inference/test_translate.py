@@ -117,7 +117,7 @@ def test_output_file_input_file_nbest_and_ensemble(ckpt: Path, test_lines: list[
 def test_default_precision_is_auto(ckpt: Path, test_lines: list[str], nmt_cli: NmtCli) -> None:
     """`nmt translate` decodes at --precision auto unless told otherwise: its output equals
     the explicit `--precision auto` one, and auto loads the weights in the dtype the
-    device's policy picks (bf16 on a CPU with native bf16, else fp32)."""
+    device's policy picks (bf16 on a CPU where native bf16 is faster than fp32, else fp32)."""
     source = ("\n".join(test_lines[:8]) + "\n").encode()
     default = nmt_cli.invoke("translate", "-m", str(ckpt), *FAST, input=source)
     auto = nmt_cli.invoke("translate", "-m", str(ckpt), *FAST, "--precision", "auto", input=source)
