@@ -14,7 +14,8 @@ from typing import Any, Literal
 from nmt.errors import UsageError
 
 Precision = Literal["fp32", "bf16", "fp16", "auto"]
-# auto: bf16 where the hardware computes it natively, fp16 on older GPUs, else fp32.
+# auto: bf16 on GPUs that compute it natively, fp16 on older ones; on a CPU bf16 where it is
+# native and measured faster than fp32, else fp32 (nmt.precision.resolve_precision).
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "auto")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")  # auto: CUDA when a GPU is visible
 # Validation metrics `--best-metric` may track, with the direction that is better.
@@ -187,8 +188,8 @@ class TrainConfig:
         "(a minute or more).")
     max_len: int = _setting(
         256, "Skip training pairs with a side longer than this (tokens incl. EOS).")
-    # auto: bf16 where native (Ampere+ GPU, bf16 CPU), fp16 on older GPUs, else fp32 (see
-    # nmt/precision.py).
+    # auto: bf16 where native (Ampere+ GPU; a CPU where it also beats fp32), fp16 on older
+    # GPUs, else fp32 (see nmt/precision.py).
     precision: Precision = _setting(
         "auto", f"One of {', '.join(PRECISIONS)} (autocast; fp16 uses dynamic loss scaling).")
     # Length of training (totals, not increments: a resumed run stops at the same place).
@@ -358,8 +359,9 @@ class RuntimeConfig:
     device: str = _setting("auto", "auto | cpu | cuda.")  # see DEVICES
     precision: str = _setting(  # see DECODE_PRECISIONS
         "auto", "auto | fp32 | bf16 | fp16 | int8 model weights (int8: CPU only, int8 linear "
-        "layers, see docs/inference.md). auto: bf16 where the CPU (AVX512-BF16/AMX) or GPU "
-        "computes it natively (fp16 on pre-Ampere GPUs), else fp32; as `train` does. "
+        "layers, see docs/inference.md). auto: bf16 where the GPU computes it natively "
+        "(fp16 on pre-Ampere GPUs) or the CPU does (AVX512-BF16/AMX) and measured faster "
+        "than fp32, else fp32; as `train` does. "
         "Outputs may differ from fp32 in rounding only. On a CPU the linears run through "
         "oneDNN with packed weights (fp32 and bf16).")
     weights: str = _setting("auto", "auto | raw | ema: which weights of a checkpoint trained "
