@@ -127,9 +127,9 @@ def _translate(translator: Engine, input_path: Path | None, output: Path | None,
     from nmt.precision import precision_note  # torch: load lazily
 
     # bf16/fp16 that is slow on this CPU (emulated, or native but slower than fp32): named
-    note = precision_note(precision, translator.device, training=False)
-    if note and note.startswith("slow: "):
-        warn("translate", f"--precision {precision} will be slow: {note[len('slow: '):]}")
+    note = precision_note(precision, translator.device, training=False)  # "slow: ..."
+    if note:
+        warn("translate", f"--precision {precision} will be slow: {note.removeprefix('slow: ')}")
     observe = None
     if attention is not None:
         from nmt.inference.attention_map import AttentionWriter

@@ -18,12 +18,14 @@ import functools
 import hashlib
 import json
 import os
-import tempfile
+import platform
 import time
 
 import torch
 
+from nmt.cores import cpu_info
 from nmt.errors import UsageError
+from nmt.fileio import atomic_write_bytes
 
 try:
     import fcntl
@@ -79,10 +81,7 @@ def cpu_bf16_speedup() -> float:
             except (OSError, ValueError, KeyError, TypeError):
                 pass
             record = measure_bf16_speedup()
-            with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False,
-                                             suffix=".tmp", encoding="utf-8") as tmp:
-                json.dump(record, tmp)
-            os.replace(tmp.name, path)  # atomic: a reader sees all or nothing
+            atomic_write_bytes(path, lambda out: out.write(json.dumps(record).encode()))
             return float(record["speedup"])
     except OSError:
         return float(measure_bf16_speedup()["speedup"])
@@ -90,15 +89,11 @@ def cpu_bf16_speedup() -> float:
 
 def _machine_key() -> str:
     """A short hash of what `cpu_bf16_speedup` depends on."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            lines = [line for line in info if line.startswith(("model name", "flags"))][:2]
-    except OSError:
-        import platform
-
-        lines = [platform.processor(), platform.machine()]
+    info = cpu_info()
+    cpu = [info.get("model name") or platform.processor(), info.get("flags", ""),
+           platform.machine()]
     caps = [f"{name}={os.environ.get(name, '')}" for name in _ISA_ENV]
-    text = "\n".join([*lines, torch.__version__, *caps])
+    text = "\n".join([*cpu, torch.__version__, *caps])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from nmt.cores import cpu_info
 from nmt.inference.packed_linear import PackedLinear, swap_linears
 from nmt.inference.packed_linear import available as packed_available
 from nmt.switches import switch
@@ -56,12 +57,7 @@ _CAPPED_ISAS = {"SSE41", "SSE4_1", "AVX", "AVX2"}  # env values that rule VNNI o
 def has_vnni() -> bool:
     """Whether the CPU has AVX-512 VNNI or AVX-VNNI (int8 dot products without int16
     saturation). Read from /proc/cpuinfo; False where that cannot be read."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            flags = next((line for line in info if line.startswith("flags")), "")
-    except OSError:
-        return False
-    words = set(flags.split())
+    words = set(cpu_info().get("flags", "").split())
     return bool(words & {"avx512_vnni", "avx_vnni"})
 
 
