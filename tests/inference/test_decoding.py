@@ -201,8 +201,8 @@ def test_beam_search_over_grouped_cache_equals_plain_cache(alpha: float) -> None
                                        min_len=1)
     for fast, plain in zip(found["grouped"], found["plain"], strict=True):
         assert [h.tokens for h in fast] == [h.tokens for h in plain]
-        for x, y in zip(fast, plain, strict=True):
-            assert x.score == pytest.approx(y.score, abs=1e-5)
+        for x, y in zip(fast, plain, strict=True):  # float32 sums of ~20 steps' log-probs
+            assert x.score == pytest.approx(y.score, rel=2e-6, abs=1e-5)
     assert len({tuple(h[0].tokens) for h in found["plain"]}) > 3  # outputs differ by input
 
 
