@@ -28,6 +28,10 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "key/value cache, at two host reads a reorder (nmt/inference/kv_cache.py)"),
     Switch("NMT_PACKED_LINEAR", "1", "0 leaves CPU linears as torch's plain matmul instead "
            "of oneDNN with packed weights (nmt/inference/packed_linear.py)"),
+    Switch("NMT_ROW_BUCKETS", "1", "0 leaves bf16 training's linear layers on a CPU with AMX at "
+           "each batch's own row count instead of rounding it up (nmt/model/row_buckets.py)"),
+    Switch("NMT_AMX_LINEAR", "1", "0 leaves bf16 CPU linears to oneDNN instead of the AMX "
+           "C kernel built on first use where the CPU has AMX (nmt/inference/amx_linear.py)"),
     Switch("NMT_FUSED_ATTENTION", "1", "0 leaves the CPU decoder step's attention to "
            "PyTorch's ops instead of the C kernel built on first use "
            "(nmt/model/fused_attention.py)"),

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from nmt.config import DecodeConfig
 from nmt.inference.int8_linear import Int8Linear
 from nmt.inference.kv_cache import GroupedCache, Regroup
-from nmt.inference.packed_linear import PackedLinear, is_packed
+from nmt.inference.packed_linear import is_packed, make_linear
 from nmt.inference.rest_mass import RestMass, VocabularyMoments
 from nmt.inference.search import beam_search, greedy_decode, max_output_lengths
 from nmt.model.fused_attention import keys_layout
@@ -162,7 +162,7 @@ class DecodingWorkspace:
         # given, else a packed copy of the shared output matrix when the model's linears
         # are packed, else the plain matmul.
         if projection is None and is_packed(model):
-            projection = PackedLinear(model.output_weight, None)
+            projection = make_linear(model.output_weight, None)
         self.projection = projection
         self._logits: Tensor | None = None
         self._moments: VocabularyMoments | None = None  # made by the first shortlist

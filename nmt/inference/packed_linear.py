@@ -18,7 +18,8 @@ rounding (max |diff| ~4e-6 on logits of order 10; accumulation order differs).
 The oneDNN ops are private PyTorch API (the ones torch.compile's CPU backend uses), so each
 (dtype) is checked once against `F.linear` on a small case; where the ops are missing, fail
 or disagree, nothing is packed and the plain path runs. NMT_PACKED_LINEAR=0 switches packing
-off (for comparisons).
+off (for comparisons). Where the CPU has AMX, bf16 linears go to nmt/inference/amx_linear.py's
+kernel instead (`make_linear`), which needs no compiled kernel per shape.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from nmt.inference import amx_linear
 from nmt.switches import switch
 
 PACKABLE = (torch.float32, torch.bfloat16)
@@ -92,14 +94,23 @@ class PackedLinear(nn.Module):
                 f"bias={self.bias is not None}, packed for oneDNN")
 
 
+def make_linear(weight: Tensor, bias: Tensor | None) -> nn.Module:
+    """The packed inference layer for `weight` (out, in) and `bias`: on the AMX kernel for
+    bf16 where it runs and takes the shape, else a `PackedLinear`."""
+    if (weight.dtype == torch.bfloat16 and amx_linear.fits(weight)
+            and amx_linear.available()):
+        return amx_linear.AmxLinear(weight, bias)
+    return PackedLinear(weight, bias)
+
+
 def pack_for_inference(model: nn.Module) -> int:
-    """Swap every `nn.Linear` in `model` (in place) for a `PackedLinear`. Only for CPU
-    models in fp32 or bf16, when `available()`; the model must be in its final dtype and
-    device. Returns the number of layers packed (0: nothing done)."""
+    """Swap every `nn.Linear` in `model` (in place) for a packed layer (`make_linear`).
+    Only for CPU models in fp32 or bf16, when `available()`; the model must be in its
+    final dtype and device. Returns the number of layers packed (0: nothing done)."""
     first = next(model.parameters(), None)
     if first is None or first.device.type != "cpu" or not available(first.dtype):
         return 0
-    return swap_linears(model, PackedLinear)
+    return swap_linears(model, make_linear)
 
 
 def swap_linears(model: nn.Module, make: Callable[[Tensor, Tensor | None], nn.Module]) -> int:
@@ -118,4 +129,5 @@ def swap_linears(model: nn.Module, make: Callable[[Tensor, Tensor | None], nn.Mo
 def is_packed(model: nn.Module) -> bool:
     """Whether `pack_for_inference` packed `model`'s linears: then a weight it uses outside
     a linear layer (the Transformer's shared output projection) is worth packing too."""
-    return any(isinstance(module, PackedLinear) for module in model.modules())
+    return any(isinstance(module, PackedLinear | amx_linear.AmxLinear)
+               for module in model.modules())

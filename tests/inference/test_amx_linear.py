@@ -1,0 +1,166 @@
+"""The AMX bf16 linear kernel (nmt/inference/amx_linear.py) against PyTorch: every row count
+around its 16- and 32-row tiles and its row chunks, widths that are no multiple of a tile,
+strided and 3-D inputs, one and two threads; a bf16 model searches alike with it on and off;
+where it cannot run (no AMX, switched off, a shape it does not take, no compiler), the
+oneDNN layer is used instead."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers.models import make_model, random_batch
+from helpers.native import without_a_compiler
+from torch import nn
+
+from nmt.inference import amx_linear
+from nmt.inference.amx_linear import AmxLinear
+from nmt.inference.decoding import DecodingWorkspace
+from nmt.inference.packed_linear import PackedLinear, available, make_linear, pack_for_inference
+from nmt.inference.search import beam_search, max_output_lengths
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.isa]
+
+needs_amx = pytest.mark.skipif(not amx_linear.available(),
+                               reason="the kernel does not run here: no AMX-BF16, kernels "
+                                      "capped below it, NMT_AMX_LINEAR=0 or no C compiler")
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The layer in float32 from the same bf16 operands, rounded to bf16 as the kernel's
+    output is."""
+    return F.linear(x.float(), weight.float(),
+                    None if bias is None else bias.float()).bfloat16()
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 4, 15, 16, 17, 31, 32, 33, 100, 600])
+@pytest.mark.parametrize(("k", "n"), [(32, 8), (256, 40), (256, 768), (1024, 1000)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_kernel_equals_the_float_layer(rows: int, k: int, n: int, bias: bool) -> None:
+    """600 rows at 256 inputs cross the kernel's 512-row chunk; 1,000 outputs leave a
+    partial 32-output block with a partial 16-output half."""
+    gen = torch.Generator().manual_seed(rows * 7 + k + n)
+    weight = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    layer = AmxLinear(weight, b)
+    with torch.inference_mode():
+        got = layer(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    torch.testing.assert_close(got.float(), reference(x, weight, b).float(),
+                               rtol=1e-2, atol=1e-2)
+
+
+@needs_amx
+def test_strided_and_batched_inputs_and_two_threads() -> None:
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(72, 64, generator=gen).bfloat16()
+    bias = torch.randn(72, generator=gen).bfloat16()
+    layer = AmxLinear(weight, bias)
+    wide = torch.randn(37, 100, generator=gen).bfloat16()
+    strided = wide[:, 10:74]  # rows 100 elements apart
+    batched = torch.randn(3, 11, 64, generator=gen).bfloat16()
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(strided).float(),
+                                   reference(strided, weight, bias).float(),
+                                   rtol=1e-2, atol=1e-2)
+        got = layer(batched)
+        assert got.shape == (3, 11, 72)
+        torch.testing.assert_close(got.float(), reference(batched, weight, bias).float(),
+                                   rtol=1e-2, atol=1e-2)
+        x = torch.randn(300, 64, generator=gen).bfloat16()
+        one = layer(x)
+        torch.set_num_threads(2)
+        try:
+            two = layer(x)
+        finally:
+            torch.set_num_threads(1)
+    assert torch.equal(one, two)  # each output block is computed alike on any thread
+
+
+@needs_amx
+def test_a_snapshot_of_the_weight() -> None:
+    linear = nn.Linear(64, 48).to(torch.bfloat16)
+    layer = AmxLinear(linear.weight, linear.bias)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        before = layer(x)
+    with torch.no_grad():
+        linear.weight.zero_()
+    with torch.inference_mode():
+        assert torch.equal(layer(x), before)
+    assert list(layer.state_dict()) == []  # no parameters, like PackedLinear
+
+
+@needs_amx
+def test_a_bf16_model_searches_alike_with_the_kernel_on_and_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    on, off = make_model().to(torch.bfloat16), make_model().to(torch.bfloat16)
+    assert pack_for_inference(on) > 0
+    monkeypatch.setenv("NMT_AMX_LINEAR", "0")
+    assert pack_for_inference(off) > 0
+    assert not any(isinstance(m, AmxLinear) for m in off.modules())
+    off_space = DecodingWorkspace(off)
+    monkeypatch.delenv("NMT_AMX_LINEAR")
+    assert any(isinstance(m, AmxLinear) for m in on.modules())
+    on_space = DecodingWorkspace(on)
+    assert isinstance(on_space.projection, AmxLinear)
+    assert isinstance(off_space.projection, PackedLinear)
+    for seed in range(3):
+        src = random_batch([8, 3, 5, 1, 6], seed)
+        max_lens = max_output_lengths(src, 1.0, 5)
+        with torch.inference_mode():
+            torch.testing.assert_close(on(src, src).float(), off(src, src).float(),
+                                       rtol=2e-2, atol=2e-2)
+            with off_space.decoder(src) as decoder:
+                want = beam_search(decoder, max_lens, beam=4, alpha=0.6, nbest=2, min_len=1)
+            with on_space.decoder(src) as decoder:
+                got = beam_search(decoder, max_lens, beam=4, alpha=0.6, nbest=2, min_len=1)
+            # a shortlist's projection is packed per batch by the same kernel
+            columns = torch.arange(0, 50, 2)
+            projection, _ = on_space.restricted(columns)
+            assert isinstance(projection, AmxLinear)
+            feats = torch.randn(6, 64).bfloat16()
+            torch.testing.assert_close(
+                projection(feats).float(),
+                reference(feats, on.output_weight.index_select(0, columns), None).float(),
+                rtol=1e-2, atol=1e-2)
+        assert [[h.tokens for h in row] for row in got] == \
+            [[h.tokens for h in row] for row in want]
+        for row_got, row_want in zip(got, want, strict=True):
+            for g, w in zip(row_got, row_want, strict=True):
+                assert g.score == pytest.approx(w.score, abs=2e-2)
+
+
+def test_where_the_kernel_does_not_run_the_onednn_layer_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    if not available(torch.bfloat16):
+        pytest.skip("oneDNN bf16 linear unavailable here")
+    weight = torch.randn(48, 64).bfloat16()
+    assert isinstance(make_linear(weight.float(), None), PackedLinear)  # fp32: oneDNN
+    assert isinstance(make_linear(torch.randn(48, 40).bfloat16(), None), PackedLinear)
+    monkeypatch.setenv("NMT_AMX_LINEAR", "0")
+    assert isinstance(make_linear(weight, None), PackedLinear)
+    monkeypatch.delenv("NMT_AMX_LINEAR")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")  # a CPU without AMX
+    assert amx_linear.capped()
+    assert isinstance(make_linear(weight, None), PackedLinear)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    assert not amx_linear.capped() or amx_linear.native.isa_flags() != ("-march=native",)
+    monkeypatch.setattr(amx_linear, "has_amx", lambda: False)
+    assert isinstance(make_linear(weight, None), PackedLinear)
+    assert not amx_linear.fits(torch.randn(48, 40))
+    with pytest.raises(ValueError, match="in_features % 32"):
+        AmxLinear(torch.randn(48, 40).bfloat16(), None)
+
+
+def test_without_a_compiler_bf16_linears_stay_with_onednn(tmp_path) -> None:
+    if not amx_linear.has_amx():
+        pytest.skip("this CPU has no AMX-BF16: the kernel is never built here")
+    code = ("import torch\n"
+            "from nmt.inference.packed_linear import make_linear\n"
+            "w = torch.randn(48, 64).bfloat16()\n"
+            "print(type(make_linear(w, None)).__name__, type(make_linear(w, None)).__name__)\n")
+    out = without_a_compiler(code, tmp_path, "the AMX bf16 linear kernel")
+    assert out == ["PackedLinear PackedLinear"]
