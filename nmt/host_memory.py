@@ -43,6 +43,9 @@ def keep_freed_memory() -> bool:
 # oneDNN primitives kept per process (oneDNN's own default: 1024). Training: each update
 # is a new (rows, d) shape, used once: a small cache bounds the memory (module doc).
 TRAIN_ONEDNN_CACHE = 64
+# Training whose rows come in steps (nmt/model/row_buckets.py): its few shapes recur, and
+# so do many attention shapes.
+TRAIN_BUCKETED_ONEDNN_CACHE = 1024
 # Inference: beam search meets a new row count at almost every step (rows shrink as
 # sentences finish) and brings it back in the next batch of that size, so a long-lived
 # process (`nmt serve`, a program holding a Translator, `nmt translate` on a large file)

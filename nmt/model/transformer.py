@@ -36,6 +36,7 @@ from nmt.model.layers import (
     Residual,
     embedding_scale,
 )
+from nmt.model.row_buckets import linear_rows
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
         self.scale = embedding_scale(cfg.d_model)
         self.embed_dropout = cfg.dropout  # scale_dropout sets it
+        self.row_multiple = 0  # > 1: the output projection's rows rounded up (row_buckets)
         self.enc_positions = Positions(cfg)
         self.dec_positions = Positions(cfg)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
@@ -140,6 +142,8 @@ class Transformer(nn.Module):
     def logits(self, features: Tensor) -> Tensor:
         """Output projection with the shared embedding matrix: (..., d_model) -> (..., vocab),
         in the compute dtype (the loss or search casts as it needs)."""
+        if self.row_multiple > 1:  # bf16 training on AMX: nmt/model/row_buckets.py
+            return linear_rows(features, self.embed.weight, None, self.row_multiple)
         return F.linear(features, self.embed.weight)
 
     def forward(self, src: Tensor, tgt_in: Tensor, has_pad: bool | None = None,

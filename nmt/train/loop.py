@@ -133,7 +133,7 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.train_cfg = train_cfg
         self.tensorboard = tensorboard  # also write TensorBoard events there
-        self.env, self.device = join(device)
+        self.env, self.device = join(device, train_cfg.precision)
         try:  # a rank that fails here leaves the process group, or gloo aborts at exit
             self._set_up(model_cfg, train_cfg, meta, progress, init_from, reset_optimizer)
         except BaseException:

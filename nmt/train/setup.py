@@ -19,9 +19,17 @@ from nmt.config import ModelConfig, TrainConfig
 from nmt.data.dataset import ParallelData, corpus_ranges, read_meta
 from nmt.device import allow_tf32, resolve_device, set_cuda_allocator_default
 from nmt.errors import UsageError
-from nmt.host_memory import TRAIN_ONEDNN_CACHE, keep_freed_memory, size_onednn_cache
+from nmt.host_memory import (
+    TRAIN_BUCKETED_ONEDNN_CACHE,
+    TRAIN_ONEDNN_CACHE,
+    keep_freed_memory,
+    size_onednn_cache,
+)
+from nmt.inference import amx_linear
+from nmt.model import row_buckets
 from nmt.model.transformer import Transformer
 from nmt.precision import grad_scaler, resolve_precision
+from nmt.switches import switch
 from nmt.train.distributed import DistEnv, init_distributed
 from nmt.train.log import (
     JsonlLog,
@@ -37,17 +45,21 @@ from nmt.train.step import defer_statistics
 from nmt.train.tensorboard import TeeLog, TensorBoardLog
 
 
-def join(device: str) -> tuple[DistEnv, torch.device]:
+def join(device: str, precision: str = "auto") -> tuple[DistEnv, torch.device]:
     """Join the process group (under torchrun) and pick this process's device, set up for
     training: CUDA's allocator before its first allocation; on a CPU, a bounded oneDNN
-    kernel cache (one kernel per batch shape) and freed memory kept for reuse."""
+    kernel cache (one kernel per batch shape; larger where rows come in steps,
+    nmt/model/row_buckets.py, and shapes recur) and freed memory kept for reuse.
+    `precision` is the setting (auto too): the cache is sized before anything, the
+    measurement behind `auto` included, runs a oneDNN kernel."""
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if cuda:
         set_cuda_allocator_default()
     env = init_distributed("cuda" if cuda else "cpu")
     dev = resolve_device(device, env.local_rank)
     if dev.type == "cpu":
-        size_onednn_cache(TRAIN_ONEDNN_CACHE)
+        bucketed = buckets_rows(dev, "bf16" if precision == "auto" else precision)
+        size_onednn_cache(TRAIN_BUCKETED_ONEDNN_CACHE if bucketed else TRAIN_ONEDNN_CACHE)
         keep_freed_memory()
     return env, dev
 
@@ -102,6 +114,15 @@ class Model:
     deferred: bool
 
 
+def buckets_rows(device: torch.device, precision: str) -> bool:
+    """Whether training on `device` in `precision` rounds its linear layers' rows up
+    (nmt/model/row_buckets.py): bf16 on a CPU whose oneDNN uses AMX (the AMX kernel's test
+    of the CPU and the ISA caps), unless NMT_ROW_BUCKETS=0. On such a CPU `auto` is bf16
+    (AMX makes it pay), which is how `join` asks before `auto` is resolved."""
+    return (device.type == "cpu" and precision == "bf16" and switch("NMT_ROW_BUCKETS") != "0"
+            and amx_linear.has_amx() and not amx_linear.capped())
+
+
 def build_model(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, rank: int
                 ) -> Model:
     """The same initial weights on every rank (seeded by --seed), then each rank's own
@@ -114,6 +135,8 @@ def build_model(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
     precision = resolve_precision(cfg.precision, device)
     if precision == "fp32":
         allow_tf32(device)
+    if buckets_rows(device, precision):
+        row_buckets.bucket_rows(model)
     return Model(model, optimizer, build_schedule(optimizer, model_cfg.d_model, cfg),
                  grad_scaler(device, enabled=precision == "fp16"), precision, deferred)
 
