@@ -17,17 +17,17 @@ def available_cores() -> int:
 
 @functools.cache
 def cpu_info() -> dict[str, str]:
-    """The first core's "model name" and "flags" lines of /proc/cpuinfo, values only (empty
-    where it cannot be read: not Linux)."""
+    """The first core's "vendor_id", "model name" and "flags" lines of /proc/cpuinfo, values
+    only (empty where it cannot be read: not Linux)."""
     info: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as lines:
             for line in lines:
                 key, _, value = line.partition(":")
                 key = key.strip()
-                if key in ("model name", "flags") and key not in info:
+                if key in ("vendor_id", "model name", "flags") and key not in info:
                     info[key] = value.strip()
-                if len(info) == 2:
+                if len(info) == 3:
                     break
     except OSError:
         pass

@@ -28,6 +28,8 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "key/value cache, at two host reads a reorder (nmt/inference/kv_cache.py)"),
     Switch("NMT_PACKED_LINEAR", "1", "0 leaves CPU linears as torch's plain matmul instead "
            "of oneDNN with packed weights (nmt/inference/packed_linear.py)"),
+    Switch("NMT_MKL_LINEAR", "1", "0 leaves fp32 CPU linears on an Intel CPU to oneDNN "
+           "instead of MKL's packed sgemm (nmt/inference/mkl_linear.py)"),
     Switch("NMT_ROW_BUCKETS", "1", "0 leaves bf16 training's linear layers on a CPU with AMX at "
            "each batch's own row count instead of rounding it up (nmt/model/row_buckets.py)"),
     Switch("NMT_AMX_LINEAR", "1", "0 leaves bf16 CPU linears to oneDNN instead of the AMX "

@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nmt.cores import cpu_info
-from nmt.inference.packed_linear import PackedLinear, swap_linears
 from nmt.inference.packed_linear import available as packed_available
+from nmt.inference.packed_linear import make_linear, swap_linears
 from nmt.switches import switch
 
 KERNELS = ("fbgemm", "onednn")
@@ -210,5 +210,5 @@ def output_projection(weight: Tensor) -> nn.Module | None:
         if switch("NMT_INT8_OUTPUT") != "0" and available():
             return Int8Linear(weight, None, keep_quantized=True)  # a shortlist takes rows
         if packed_available(torch.float32):
-            return PackedLinear(weight, None)
+            return make_linear(weight, None)
     return None

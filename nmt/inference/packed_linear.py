@@ -18,8 +18,9 @@ rounding (max |diff| ~4e-6 on logits of order 10; accumulation order differs).
 The oneDNN ops are private PyTorch API (the ones torch.compile's CPU backend uses), so each
 (dtype) is checked once against `F.linear` on a small case; where the ops are missing, fail
 or disagree, nothing is packed and the plain path runs. NMT_PACKED_LINEAR=0 switches packing
-off (for comparisons). Where the CPU has AMX, bf16 linears go to nmt/inference/amx_linear.py's
-kernel instead (`make_linear`), which needs no compiled kernel per shape.
+off (for comparisons). `make_linear` sends some layers elsewhere, to kernels that need nothing
+compiled per shape: bf16 on a CPU with AMX to nmt/inference/amx_linear.py, fp32 on an Intel
+CPU to MKL's packed sgemm (nmt/inference/mkl_linear.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nmt.inference import amx_linear
+from nmt.inference import amx_linear, mkl_linear
 from nmt.switches import switch
 
 PACKABLE = (torch.float32, torch.bfloat16)
@@ -96,10 +97,13 @@ class PackedLinear(nn.Module):
 
 def make_linear(weight: Tensor, bias: Tensor | None) -> nn.Module:
     """The packed inference layer for `weight` (out, in) and `bias`: on the AMX kernel for
-    bf16 where it runs and takes the shape, else a `PackedLinear`."""
+    bf16 where it runs and takes the shape, on MKL's packed sgemm for fp32 on an Intel CPU,
+    else a `PackedLinear`."""
     if (weight.dtype == torch.bfloat16 and amx_linear.fits(weight)
             and amx_linear.available()):
         return amx_linear.AmxLinear(weight, bias)
+    if weight.dtype == torch.float32 and mkl_linear.available():
+        return mkl_linear.MklLinear(weight, bias)
     return PackedLinear(weight, bias)
 
 
@@ -129,5 +133,5 @@ def swap_linears(model: nn.Module, make: Callable[[Tensor, Tensor | None], nn.Mo
 def is_packed(model: nn.Module) -> bool:
     """Whether `pack_for_inference` packed `model`'s linears: then a weight it uses outside
     a linear layer (the Transformer's shared output projection) is worth packing too."""
-    return any(isinstance(module, PackedLinear | amx_linear.AmxLinear)
+    return any(isinstance(module, PackedLinear | amx_linear.AmxLinear | mkl_linear.MklLinear)
                for module in model.modules())

@@ -21,6 +21,7 @@ from nmt.inference.int8_linear import (
     quantize_for_inference,
     quantize_weight,
 )
+from nmt.inference.mkl_linear import MklLinear
 from nmt.inference.packed_linear import PackedLinear
 from nmt.inference.translate import Engine, translate_stream
 from nmt.model.transformer import Transformer
@@ -136,7 +137,7 @@ def test_output_projection_can_stay_fp32(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("NMT_INT8_OUTPUT", "0")
     model = Transformer(model_preset("tiny", vocab_size=40)).eval()
     projection = output_projection(model.output_weight)
-    assert isinstance(projection, PackedLinear | type(None))
+    assert isinstance(projection, PackedLinear | MklLinear | type(None))
     assert not isinstance(projection, Int8Linear)
 
 

@@ -1,0 +1,174 @@
+"""fp32 linears on MKL's packed sgemm: nn.Linear's numbers at every row count, the choice
+`make_linear` makes per CPU and switch, and the fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nmt.config import model_preset
+from nmt.inference import mkl_linear, packed_linear
+from nmt.inference.decoding import DecodingWorkspace
+from nmt.inference.mkl_linear import MklLinear
+from nmt.inference.packed_linear import PackedLinear, make_linear, pack_for_inference
+from nmt.inference.search import beam_search, max_output_lengths
+from nmt.model.transformer import Transformer
+from nmt.special_ids import EOS_ID, PAD_ID
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.isa]
+
+needs_mkl = pytest.mark.skipif(not mkl_linear.works(),
+                               reason="this torch has no working MKL packed-linear ops")
+
+
+def reference(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """nn.Linear in float64, rounded to fp32: what both fp32 kernels approximate."""
+    bias = None if linear.bias is None else linear.bias.double()
+    return F.linear(x.double(), linear.weight.double(), bias).float()
+
+
+@needs_mkl
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 100, 1500])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("features", [(32, 48), (256, 1000), (1024, 24)])
+def test_mkl_linear_equals_nn_linear(rows: int, bias: bool, features: tuple[int, int]) -> None:
+    """Packed once (for one row), right for every row count: MKL's packed B does not depend
+    on the rows it was packed for."""
+    torch.manual_seed(rows)
+    linear = nn.Linear(*features, bias=bias)
+    x = torch.randn(rows, features[0])
+    layer = MklLinear(linear.weight, linear.bias)
+    with torch.inference_mode():
+        got, plain = layer(x), linear(x)
+    want = reference(x, linear)
+    assert got.shape == want.shape == (rows, features[1]) and got.dtype == torch.float32
+    err, plain_err = (got - want).abs().max().item(), (plain - want).abs().max().item()
+    assert err <= 2 * plain_err + 1e-6  # as close as torch's own fp32 matmul
+
+
+@needs_mkl
+def test_mkl_linear_takes_any_input_layout() -> None:
+    """3-D inputs, a transposed (non-contiguous) view and an empty batch."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 40)
+    layer = MklLinear(linear.weight, linear.bias)
+    with torch.inference_mode():
+        x3 = torch.randn(3, 7, 64)
+        torch.testing.assert_close(layer(x3), linear(x3), rtol=1e-5, atol=1e-5)
+        xt = torch.randn(64, 9).t()  # (9, 64), strides (1, 9)
+        assert not xt.is_contiguous()
+        torch.testing.assert_close(layer(xt), linear(xt), rtol=1e-5, atol=1e-5)
+        assert layer(torch.randn(0, 64)).shape == (0, 40)
+
+
+@needs_mkl
+def test_mkl_linear_is_a_snapshot_without_parameters() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(32, 48)
+    x = torch.randn(5, 32)
+    layer = MklLinear(linear.weight, linear.bias)
+    with torch.inference_mode():
+        want = linear(x)
+    with torch.no_grad():
+        linear.weight.zero_()
+        linear.bias.zero_()
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    assert not list(layer.parameters()) and not layer.state_dict()
+    assert "packed for MKL" in repr(layer)
+
+
+@needs_mkl
+def test_packed_with_two_threads_computes_with_one() -> None:
+    """A worker computes with one thread on weights its parent packed with several."""
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 300)
+    x = torch.randn(70, 256)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        layer = MklLinear(linear.weight, linear.bias)
+        two = layer(x)
+    finally:
+        torch.set_num_threads(before)
+    one = layer(x)
+    want = reference(x, linear)
+    for got in (one, two):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_mkl
+def test_make_linear_chooses_by_cpu_and_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    weight = torch.randn(24, 32)
+    monkeypatch.setattr(mkl_linear, "is_intel", lambda: True)
+    assert isinstance(make_linear(weight, None), MklLinear)
+    if packed_linear.available(torch.bfloat16):  # oneDNN's bf16 (absent under AVX2 caps)
+        assert not isinstance(make_linear(weight.bfloat16(), None), MklLinear)
+    monkeypatch.setenv("NMT_MKL_LINEAR", "0")
+    assert type(make_linear(weight, None)) is PackedLinear
+    monkeypatch.delenv("NMT_MKL_LINEAR")
+    monkeypatch.setattr(mkl_linear, "is_intel", lambda: False)  # AMD: MKL runs AVX2 there
+    assert type(make_linear(weight, None)) is PackedLinear
+
+
+def test_is_intel_reads_the_vendor(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mkl_linear, "cpu_info", lambda: {"vendor_id": "GenuineIntel"})
+    assert mkl_linear.is_intel()
+    monkeypatch.setattr(mkl_linear, "cpu_info", lambda: {"vendor_id": "AuthenticAMD"})
+    assert not mkl_linear.is_intel()
+    monkeypatch.setattr(mkl_linear, "cpu_info", lambda: {})
+    assert not mkl_linear.is_intel()
+
+
+def test_broken_ops_fall_back_to_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where torch's MKL ops are missing or fail, fp32 layers are oneDNN's again."""
+
+    def broken(*_args: object) -> torch.Tensor:
+        raise RuntimeError("no MKL packed sgemm here")
+
+    mkl_linear.works.cache_clear()
+    monkeypatch.setattr(mkl_linear, "is_intel", lambda: True)
+    monkeypatch.setattr(torch.ops.mkl, "_mkl_reorder_linear_weight", broken)
+    try:
+        assert not mkl_linear.available()
+        if packed_linear.available(torch.float32):
+            assert type(make_linear(torch.randn(8, 16), None)) is PackedLinear
+    finally:
+        monkeypatch.undo()
+        mkl_linear.works.cache_clear()
+
+
+@needs_mkl
+def test_model_on_mkl_translates_like_onednn_and_plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny model's beam search: the same hypotheses on MKL, on oneDNN and unpacked."""
+    if not packed_linear.available(torch.float32):
+        pytest.skip("oneDNN linear ops unavailable here")
+    monkeypatch.setattr(mkl_linear, "is_intel", lambda: True)
+    models = {}
+    for name, env in (("plain", None), ("mkl", "1"), ("onednn", "0")):
+        torch.manual_seed(0)
+        model = Transformer(model_preset("tiny", vocab_size=60)).eval()
+        if env is not None:
+            monkeypatch.setenv("NMT_MKL_LINEAR", env)
+            assert pack_for_inference(model) > 0
+        models[name] = model
+    assert any(isinstance(m, MklLinear) for m in models["mkl"].modules())
+    assert not any(isinstance(m, MklLinear) for m in models["onednn"].modules())
+    monkeypatch.setenv("NMT_MKL_LINEAR", "1")
+    assert isinstance(DecodingWorkspace(models["mkl"]).projection, MklLinear)
+    gen = torch.Generator().manual_seed(1)
+    src = torch.full((4, 8), PAD_ID)
+    for row, n in enumerate([7, 2, 5, 1]):
+        src[row, :n] = torch.randint(4, 60, (n,), generator=gen)
+        src[row, n] = EOS_ID
+    results = {}
+    for name, model in models.items():
+        with torch.inference_mode(), DecodingWorkspace(model).decoder(src) as decoder:
+            results[name] = beam_search(decoder, max_output_lengths(src, 1.0, 5), beam=4,
+                                        alpha=0.6, nbest=2, min_len=1)
+    tokens = {name: [[h.tokens for h in row] for row in hyps] for name, hyps in results.items()}
+    assert tokens["mkl"] == tokens["plain"] == tokens["onednn"]
+    for row_mkl, row_plain in zip(results["mkl"], results["plain"], strict=True):
+        for got, want in zip(row_mkl, row_plain, strict=True):
+            assert got.score == pytest.approx(want.score, abs=1e-4)
