@@ -49,12 +49,9 @@ def works() -> bool:
         weight = torch.randn(40, 64, generator=gen)
         bias = torch.randn(40, generator=gen)
         layer = MklLinear(weight, bias)
-        for rows in (1, 3, 17, 64):
-            x = torch.randn(rows, 64, generator=gen)
-            if not torch.allclose(layer(x), F.linear(x, weight, bias), rtol=1e-4, atol=1e-4):
-                return False
-        x = torch.randn(2, 5, 64, generator=gen)
-        return bool(torch.allclose(layer(x), F.linear(x, weight, bias), rtol=1e-4, atol=1e-4))
+        inputs = [torch.randn(*shape, 64, generator=gen) for shape in ((1,), (3,), (17,), (2, 5))]
+        return all(torch.allclose(layer(x), F.linear(x, weight, bias), rtol=1e-4, atol=1e-4)
+                   for x in inputs)
     except (RuntimeError, AttributeError, NotImplementedError):
         return False
 

@@ -6,16 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.models import make_model, random_batch
 from torch import nn
 
-from nmt.config import model_preset
 from nmt.inference import mkl_linear, packed_linear
 from nmt.inference.decoding import DecodingWorkspace
 from nmt.inference.mkl_linear import MklLinear
 from nmt.inference.packed_linear import PackedLinear, make_linear, pack_for_inference
 from nmt.inference.search import beam_search, max_output_lengths
-from nmt.model.transformer import Transformer
-from nmt.special_ids import EOS_ID, PAD_ID
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.isa]
 
@@ -147,8 +145,7 @@ def test_model_on_mkl_translates_like_onednn_and_plain(monkeypatch: pytest.Monke
     monkeypatch.setattr(mkl_linear, "is_intel", lambda: True)
     models = {}
     for name, env in (("plain", None), ("mkl", "1"), ("onednn", "0")):
-        torch.manual_seed(0)
-        model = Transformer(model_preset("tiny", vocab_size=60)).eval()
+        model = make_model()
         if env is not None:
             monkeypatch.setenv("NMT_MKL_LINEAR", env)
             assert pack_for_inference(model) > 0
@@ -157,11 +154,7 @@ def test_model_on_mkl_translates_like_onednn_and_plain(monkeypatch: pytest.Monke
     assert not any(isinstance(m, MklLinear) for m in models["onednn"].modules())
     monkeypatch.setenv("NMT_MKL_LINEAR", "1")
     assert isinstance(DecodingWorkspace(models["mkl"]).projection, MklLinear)
-    gen = torch.Generator().manual_seed(1)
-    src = torch.full((4, 8), PAD_ID)
-    for row, n in enumerate([7, 2, 5, 1]):
-        src[row, :n] = torch.randint(4, 60, (n,), generator=gen)
-        src[row, n] = EOS_ID
+    src = random_batch([8, 3, 6, 2], seed=1)
     results = {}
     for name, model in models.items():
         with torch.inference_mode(), DecodingWorkspace(model).decoder(src) as decoder:
