@@ -34,6 +34,9 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "each batch's own row count instead of rounding it up (nmt/model/row_buckets.py)"),
     Switch("NMT_AMX_LINEAR", "1", "0 leaves bf16 CPU linears to oneDNN instead of the AMX "
            "C kernel built on first use where the CPU has AMX (nmt/inference/amx_linear.py)"),
+    Switch("NMT_AMX_INT8", "1", "0 leaves int8 CPU linears to torch's FBGEMM / oneDNN "
+           "kernels instead of the AMX C kernel where the CPU has AMX-INT8 "
+           "(nmt/inference/amx_linear.py)"),
     Switch("NMT_FUSED_ATTENTION", "1", "0 leaves the CPU decoder step's attention to "
            "PyTorch's ops instead of the C kernel built on first use "
            "(nmt/model/fused_attention.py)"),

@@ -1,4 +1,5 @@
-/* A bf16 linear layer y = x W^T + b on Intel AMX tiles, one compiled kernel for every shape.
+/* bf16 and int8 linear layers y = x W^T + b on Intel AMX tiles, one compiled kernel for
+ * every shape.
  *
  * Why: oneDNN (what PyTorch's bf16 linears run) compiles a new kernel for every row count
  * it meets, about 1 ms each with AMX, and beam search meets a new row count at almost every
@@ -14,6 +15,15 @@
  *   (N,) bf16, rounded to bf16 into y (M, N) (rows `ldy` apart). Accumulation in fp32 by
  *   32-input blocks, as oneDNN's AMX kernels do, so results agree to bf16 rounding.
  *
+ * - OP_PACK_I8: W (N, K) int8 row-major -> tiles as above with int8 quads: block (nb, kb) of
+ *   16 outputs x 64 inputs is 16 rows of 64 bytes, row kq holding for each output n the
+ *   four W[n][4kq .. 4kq+3].
+ * - OP_LINEAR_I8: x (M, K) float32 (rows `ldx` apart), each row quantized to int8 with its
+ *   own scale (absmax / 127, symmetric, as CTranslate2 quantizes activations), times the
+ *   packed int8 W (per-output scales P_SCALE, float32) with int32 accumulation (tdpbssd:
+ *   signed x signed, so no zero point or compensation term), rescaled, plus an optional
+ *   float32 bias, into y (M, N) float32 (rows `ldy` apart). K a multiple of 64.
+ *
  * Blocking: 32 outputs x 32 rows per pass over K (four 16x16 fp32 accumulator tiles, two
  * tiles of x, two of W); within a chunk of rows that the L2 cache holds, the output blocks
  * are the outer loop (W is read once per chunk, x stays in cache) and are shared among
@@ -24,17 +34,21 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #define NMT_AMX 1
+#if defined(__AMX_INT8__)
+#define NMT_AMX_INT8 1
+#endif
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
 
 enum {
-    P_OP, P_X, P_M, P_K, P_LDX, P_W, P_N, P_BIAS, P_Y, P_LDY, P_THREADS,
+    P_OP, P_X, P_M, P_K, P_LDX, P_W, P_N, P_BIAS, P_Y, P_LDY, P_THREADS, P_SCALE,
     P_COUNT
 };
 
-enum { OP_AVAILABLE = 0, OP_PACK = 1, OP_LINEAR = 2 };
+enum { OP_AVAILABLE = 0, OP_PACK = 1, OP_LINEAR = 2, OP_AVAILABLE_I8 = 3, OP_PACK_I8 = 4,
+       OP_LINEAR_I8 = 5 };
 
 int64_t nmt_amx_linear_params(void) { return P_COUNT; }
 
@@ -102,46 +116,68 @@ static inline void store(const float *acc, int64_t rows, int64_t cols, const bf1
     }
 }
 
+/* The accumulators of one block of up to 32 rows x 32 outputs into `acc` (four 16 x 16
+ * tiles of 4-byte sums, 256 each: rows 0-15 then 16-31, outputs 0-15 then 16-31; the last
+ * two only when rows > 16): DP (the tile product: _tile_dpbf16ps, _tile_dpbssd) over
+ * `kb_count` steps of 64 bytes of K, x's rows from `a` (`ldab` bytes apart, 32 rows
+ * readable), W's two halves from `wb` and `wb1` (1,024 bytes a step). */
+#define ACCUMULATE(DP, a, ldab, rows, wb, wb1, kb_count, acc)                             \
+    do {                                                                                 \
+        _tile_zero(0);                                                                   \
+        _tile_zero(1);                                                                   \
+        _tile_zero(2);                                                                   \
+        _tile_zero(3);                                                                   \
+        for (int64_t kb = 0; kb < (kb_count); kb++) {                                    \
+            _tile_loadd(4, (const char *)(a) + kb * 64, (ldab));                         \
+            _tile_loadd(6, (const char *)(wb) + kb * 1024, 64);                          \
+            _tile_loadd(7, (const char *)(wb1) + kb * 1024, 64);                         \
+            DP(0, 4, 6);                                                                 \
+            DP(1, 4, 7);                                                                 \
+            if ((rows) > 16) {                                                           \
+                _tile_loadd(5, (const char *)(a) + 16 * (ldab) + kb * 64, (ldab));       \
+                DP(2, 5, 6);                                                             \
+                DP(3, 5, 7);                                                             \
+            }                                                                            \
+        }                                                                                \
+        _tile_stored(0, (acc), 64);                                                      \
+        _tile_stored(1, (acc) + 256, 64);                                                \
+        if ((rows) > 16) {                                                               \
+            _tile_stored(2, (acc) + 512, 64);                                            \
+            _tile_stored(3, (acc) + 768, 64);                                            \
+        }                                                                                \
+    } while (0)
+
+/* Quarter q (0-3) of a block of `rows` x outputs [n0, n0 + 32) of n: its first row (0 or
+ * 16), first output (0 or 16), and how many of each it holds (0 or fewer: none). */
+static inline void quarter(int q, int64_t rows, int64_t n0, int64_t n, int64_t *r,
+                           int64_t *c, int64_t *nr, int64_t *nc) {
+    *r = q < 2 ? 0 : 16;
+    *c = (q & 1) * 16;
+    *nr = rows - *r < 16 ? rows - *r : 16;
+    *nc = n - n0 - *c < 16 ? n - n0 - *c : 16;
+}
+
 /* y rows [m0, m0 + rows) (rows <= 32), outputs [n0, n0 + 32) of n, from tiles of x rows
  * `a` (32 rows, `lda` elements apart, zero-padded past `rows` or readable) and the packed
  * blocks of W from `wb` (output block pair n0 / 16). */
 static inline void block(const bf16_t *a, int64_t lda, int64_t rows, const bf16_t *wb,
                          int64_t kb_count, int64_t n0, int64_t n, const bf16_t *bias,
                          bf16_t *y, int64_t ldy, float *acc) {
-    const bf16_t *wb1 = wb + kb_count * 512;
-    _tile_zero(0);
-    _tile_zero(1);
-    if (rows > 16) {
-        _tile_zero(2);
-        _tile_zero(3);
+    ACCUMULATE(_tile_dpbf16ps, a, lda * 2, rows, wb, wb + kb_count * 512, kb_count, acc);
+    for (int q = 0; q < 4; q++) {
+        int64_t r, c, nr, nc;
+        quarter(q, rows, n0, n, &r, &c, &nr, &nc);
+        if (nr > 0 && nc > 0)
+            store(acc + q * 256, nr, nc, bias ? bias + n0 + c : NULL, y + r * ldy + n0 + c,
+                  ldy);
     }
-    for (int64_t kb = 0; kb < kb_count; kb++) {
-        _tile_loadd(4, a + kb * 32, lda * 2);
-        _tile_loadd(6, wb + kb * 512, 64);
-        _tile_loadd(7, wb1 + kb * 512, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (rows > 16) {
-            _tile_loadd(5, a + 16 * lda + kb * 32, lda * 2);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-    }
-    _tile_stored(0, acc, 64);
-    _tile_stored(1, acc + 256, 64);
-    int64_t c0 = n - n0 < 16 ? n - n0 : 16, c1 = n - n0 - 16;
-    int64_t r0 = rows < 16 ? rows : 16;
-    store(acc, r0, c0, bias ? bias + n0 : NULL, y + n0, ldy);
-    if (c1 > 0)
-        store(acc + 256, r0, c1, bias ? bias + n0 + 16 : NULL, y + n0 + 16, ldy);
-    if (rows > 16) {
-        _tile_stored(2, acc + 512, 64);
-        _tile_stored(3, acc + 768, 64);
-        store(acc + 512, rows - 16, c0, bias ? bias + n0 : NULL, y + 16 * ldy + n0, ldy);
-        if (c1 > 0)
-            store(acc + 768, rows - 16, c1, bias ? bias + n0 + 16 : NULL,
-                  y + 16 * ldy + n0 + 16, ldy);
-    }
+}
+
+/* Rows of x per chunk, a multiple of 32: 128 K elements, which the core's L2 cache keeps
+ * while every output block passes over them. */
+static inline int64_t chunk_rows(int64_t k) {
+    int64_t chunk = (128 * 1024 / k) / 32 * 32;
+    return chunk < 32 ? 32 : chunk;
 }
 
 static int linear(const int64_t *p) {
@@ -162,11 +198,7 @@ static int linear(const int64_t *p) {
         for (int64_t r = full; r < m; r++)
             memcpy(tail + (r - full) * k, x + r * ldx, (size_t)k * sizeof(bf16_t));
     }
-    /* Rows per chunk: about 256 KB of x, which the core's L2 cache keeps while every
-     * output block passes over it. */
-    int64_t chunk = (128 * 1024 / k) / 32 * 32;
-    if (chunk < 32)
-        chunk = 32;
+    int64_t chunk = chunk_rows(k); /* 256 KB of bf16 x */
     if (threads < 1 || pairs < 2 * threads)
         threads = 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -192,10 +224,121 @@ static int linear(const int64_t *p) {
     return 0;
 }
 
+
+#ifdef NMT_AMX_INT8
+
+static void pack_i8(const int8_t *w, int64_t n, int64_t k, int8_t *out) {
+    int64_t np = (n + 31) / 32 * 32, kb_count = k / 64;
+    for (int64_t nb = 0; nb < np / 16; nb++)
+        for (int64_t kb = 0; kb < kb_count; kb++) {
+            int8_t *tile = out + (nb * kb_count + kb) * 1024;
+            for (int64_t kq = 0; kq < 16; kq++)
+                for (int64_t j = 0; j < 16; j++)
+                    for (int64_t i = 0; i < 4; i++) {
+                        int64_t row = nb * 16 + j, col = kb * 64 + 4 * kq + i;
+                        tile[kq * 64 + 4 * j + i] = row < n ? w[row * k + col] : 0;
+                    }
+        }
+}
+
+/* Row x (k floats, k a multiple of 16) -> k int8 in q, round(x * 127 / absmax) (ties to
+ * even); returns the row's scale absmax / 127 (0 for an all-zero row, whose q is 0). */
+static inline float quantize_row(const float *x, int64_t k, int8_t *q) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 16)
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+    float a = _mm512_reduce_max_ps(amax);
+    __m512 inv = _mm512_set1_ps(a > 0.0f ? 127.0f / a : 0.0f);
+    for (int64_t i = 0; i < k; i += 16) {
+        __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), inv));
+        _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtsepi32_epi8(v));
+    }
+    return a / 127.0f;
+}
+
+/* Rows [0, rows) of one 16x16 int32 accumulator block (`acc`) -> float32 columns [0, cols)
+ * of y: acc * row scale * column scale + bias. */
+static inline void store_i8(const int32_t *acc, int64_t rows, int64_t cols, const float *xs,
+                            const float *ws, const float *bias, float *y, int64_t ldy) {
+    __mmask16 mask = cols >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << cols) - 1);
+    __m512 w = _mm512_maskz_loadu_ps(mask, ws);
+    __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; r++) {
+        __m512 v = _mm512_cvtepi32_ps(_mm512_loadu_si512(acc + r * 16));
+        v = _mm512_fmadd_ps(_mm512_mul_ps(v, _mm512_set1_ps(xs[r])), w, b);
+        _mm512_mask_storeu_ps(y + r * ldy, mask, v);
+    }
+}
+
+/* y rows [m0, m0 + rows) (rows <= 32), outputs [n0, n0 + 32) of n, from the quantized x
+ * rows `a` (32 rows of k bytes, zero past `rows`), their scales `xs`, and the packed
+ * blocks of W from `wb` (output block pair n0 / 16). */
+static inline void block_i8(const int8_t *a, int64_t k, int64_t rows, const float *xs,
+                            const int8_t *wb, int64_t kb_count, int64_t n0, int64_t n,
+                            const float *ws, const float *bias, float *y, int64_t ldy,
+                            int32_t *acc) {
+    ACCUMULATE(_tile_dpbssd, a, k, rows, wb, wb + kb_count * 1024, kb_count, acc);
+    for (int q = 0; q < 4; q++) {
+        int64_t r, c, nr, nc;
+        quarter(q, rows, n0, n, &r, &c, &nr, &nc);
+        if (nr > 0 && nc > 0)
+            store_i8(acc + q * 256, nr, nc, xs + r, ws + n0 + c, bias ? bias + n0 + c : NULL,
+                     y + r * ldy + n0 + c, ldy);
+    }
+}
+
+static int linear_i8(const int64_t *p) {
+    const float *x = (const float *)p[P_X], *bias = (const float *)p[P_BIAS];
+    const float *ws = (const float *)p[P_SCALE];
+    const int8_t *w = (const int8_t *)p[P_W];
+    float *y = (float *)p[P_Y];
+    int64_t m = p[P_M], k = p[P_K], ldx = p[P_LDX], n = p[P_N], ldy = p[P_LDY];
+    int64_t kb_count = k / 64, pairs = (n + 31) / 32, padded = (m + 31) / 32 * 32;
+    int threads = (int)p[P_THREADS];
+    if (m <= 0 || n <= 0)
+        return 0;
+    /* The quantized rows, zero past m up to a multiple of 32: tiles read whole blocks. */
+    int8_t *q = (int8_t *)aligned_alloc(64, (size_t)(padded * k));
+    float *xs = (float *)calloc((size_t)padded, sizeof(float));
+    if (!q || !xs) {
+        free(q);
+        free(xs);
+        return 1;
+    }
+    memset(q + m * k, 0, (size_t)((padded - m) * k));
+    int64_t chunk = chunk_rows(k); /* 128 KB of int8 x */
+    if (threads < 1 || (pairs < 2 * threads && m < 64 * threads))
+        threads = 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int32_t acc[1024] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++)
+            xs[r] = quantize_row(x + r * ldx, k, q + r * k);
+        configure();
+        for (int64_t c0 = 0; c0 < padded; c0 += chunk) {
+            int64_t c1 = c0 + chunk < padded ? c0 + chunk : padded;
+#pragma omp for schedule(static)
+            for (int64_t pair = 0; pair < pairs; pair++) {
+                const int8_t *wb = w + pair * 2 * kb_count * 1024;
+                for (int64_t m0 = c0; m0 < c1; m0 += 32)
+                    block_i8(q + m0 * k, k, m - m0 < 32 ? m - m0 : 32, xs + m0, wb, kb_count,
+                             pair * 32, n, ws, bias, y + m0 * ldy, ldy, acc);
+            }
+        }
+        _tile_release();
+    }
+    free(q);
+    free(xs);
+    return 0;
+}
+
+#endif /* NMT_AMX_INT8 */
+
 #endif /* NMT_AMX */
 
-/* Returns 0 on success; OP_AVAILABLE returns 0 where the kernel can run here (built with
- * AMX and the process allowed to use it), 2 where not. */
+/* Returns 0 on success; OP_AVAILABLE (OP_AVAILABLE_I8) returns 0 where the bf16 (int8)
+ * kernel can run here (built with AMX and the process allowed to use it), 2 where not. */
 int nmt_amx_linear(const int64_t *p) {
 #ifdef NMT_AMX
     if (!permitted())
@@ -208,6 +351,18 @@ int nmt_amx_linear(const int64_t *p) {
         return 0;
     case OP_LINEAR:
         return linear(p);
+#ifdef NMT_AMX_INT8
+    case OP_AVAILABLE_I8:
+        return 0;
+    case OP_PACK_I8:
+        pack_i8((const int8_t *)p[P_W], p[P_N], p[P_K], (int8_t *)p[P_Y]);
+        return 0;
+    case OP_LINEAR_I8:
+        return linear_i8(p);
+#else
+    case OP_AVAILABLE_I8:
+        return 2;
+#endif
     }
     return 1;
 #else

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from nmt.config import DecodeConfig
-from nmt.inference.int8_linear import Int8Linear
+from nmt.inference.int8_linear import ROW_SELECTABLE
 from nmt.inference.kv_cache import GroupedCache, Regroup
 from nmt.inference.packed_linear import is_packed, make_linear
 from nmt.inference.rest_mass import RestMass, VocabularyMoments
@@ -177,7 +177,7 @@ class DecodingWorkspace:
         """The output projection (of this workspace's kind: int8, packed or plain) and
         weight for the rows `columns` of the output weight only (V', d_model); no weight
         with an int8 projection (its rows come from the int8 copy)."""
-        if isinstance(self.projection, Int8Linear):  # quantized once, not per batch
+        if isinstance(self.projection, ROW_SELECTABLE):  # quantized once, not per batch
             with torch.no_grad():
                 return self.projection.rows(columns), None
         weight = self.model.output_weight.index_select(0, columns)  # (V', d_model)

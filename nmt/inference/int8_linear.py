@@ -21,6 +21,10 @@ nmt/inference/packed_linear.py): it is the largest matmul, and its quality cost 
 docs/inference.md. The model is inference-only afterwards (the int8 weights are snapshots, not
 parameters, not in `state_dict()`).
 
+On a CPU with AMX-INT8 every layer whose input width is a multiple of 64 runs instead on
+nmt/inference/amx_linear.py's int8 kernel (`make_int8_linear`): activations quantized per
+row, nothing compiled per shape; its quality and speed are in docs/performance.md.
+
 The kernels are reached through the quantized-tensor API that torch marks as deprecated,
 so availability is checked once per process against `F.linear` on a small case; where a
 kernel is missing, fails or disagrees, it is not used, and when neither works nothing is
@@ -41,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nmt.cores import cpu_info
+from nmt.inference import amx_linear
 from nmt.inference.packed_linear import available as packed_available
 from nmt.inference.packed_linear import make_linear, swap_linears
 from nmt.switches import switch
@@ -191,16 +196,30 @@ class Int8Linear(nn.Module):
                 f"int8 per-channel weights, kernels={'+'.join(self.packed)}")
 
 
+ROW_SELECTABLE = (Int8Linear, amx_linear.AmxInt8Linear)  # int8 layers with `rows(index)`
+
+
+def make_int8_linear(weight: Tensor, bias: Tensor | None,
+                     keep_quantized: bool = False) -> nn.Module:
+    """The int8 inference layer for float `weight` (out, in) and `bias`: on the AMX int8
+    kernel where it runs and takes the width, else an `Int8Linear`. `keep_quantized`: the
+    layer can give a layer of some of its rows (`rows`)."""
+    if amx_linear.fits_int8(weight) and amx_linear.int8_available():
+        q, scale = quantize_weight(weight)
+        return amx_linear.AmxInt8Linear(q, scale, bias, keep_quantized=keep_quantized)
+    return Int8Linear(weight, bias, keep_quantized=keep_quantized)
+
+
 def quantize_for_inference(model: nn.Module) -> int:
-    """Swap every `nn.Linear` in `model` (in place) for an `Int8Linear`. Only for float32
-    CPU models, when `available()`. Returns the number of layers replaced (0: nothing
-    done). The Transformer's shared output matrix is no linear layer: `output_projection`
-    gives its int8 form, which the decoding workspace uses."""
+    """Swap every `nn.Linear` in `model` (in place) for an int8 layer (`make_int8_linear`).
+    Only for float32 CPU models, when `available()`. Returns the number of layers replaced
+    (0: nothing done). The Transformer's shared output matrix is no linear layer:
+    `output_projection` gives its int8 form, which the decoding workspace uses."""
     first = next(model.parameters(), None)
     if (first is None or first.device.type != "cpu" or first.dtype != torch.float32
             or not available()):
         return 0
-    return swap_linears(model, Int8Linear)
+    return swap_linears(model, make_int8_linear)
 
 
 def output_projection(weight: Tensor) -> nn.Module | None:
@@ -208,7 +227,7 @@ def output_projection(weight: Tensor) -> nn.Module | None:
     NMT_INT8_OUTPUT=0 (None where neither kernel is available)."""
     with torch.no_grad():
         if switch("NMT_INT8_OUTPUT") != "0" and available():
-            return Int8Linear(weight, None, keep_quantized=True)  # a shortlist takes rows
+            return make_int8_linear(weight, None, keep_quantized=True)  # a shortlist: rows
         if packed_available(torch.float32):
             return make_linear(weight, None)
     return None

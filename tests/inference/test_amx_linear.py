@@ -1,8 +1,9 @@
-"""The AMX bf16 linear kernel (nmt/inference/amx_linear.py) against PyTorch: every row count
-around its 16- and 32-row tiles and its row chunks, widths that are no multiple of a tile,
-strided and 3-D inputs, one and two threads; a bf16 model searches alike with it on and off;
-where it cannot run (no AMX, switched off, a shape it does not take, no compiler), the
-oneDNN layer is used instead."""
+"""The AMX bf16 and int8 linear kernels (nmt/inference/amx_linear.py) against PyTorch:
+every row count around their 16- and 32-row tiles and their row chunks, widths that are no
+multiple of a tile, strided and 3-D inputs, one and two threads; a bf16 model searches alike
+with the kernel on and off, an int8 model stays close to fp32; where a kernel cannot run (no
+AMX, switched off, a shape it does not take, no compiler), oneDNN's bf16 layer or torch's
+int8 layer is used instead."""
 
 from __future__ import annotations
 
@@ -164,3 +165,169 @@ def test_without_a_compiler_bf16_linears_stay_with_onednn(tmp_path) -> None:
             "print(type(make_linear(w, None)).__name__, type(make_linear(w, None)).__name__)\n")
     out = without_a_compiler(code, tmp_path, "the AMX bf16 linear kernel")
     assert out == ["PackedLinear PackedLinear"]
+
+
+# --- int8 -------------------------------------------------------------------------------
+
+needs_amx_int8 = pytest.mark.skipif(
+    not amx_linear.int8_available(),
+    reason="the int8 kernel does not run here: no AMX-INT8, kernels capped below it, "
+           "NMT_AMX_LINEAR=0 or NMT_AMX_INT8=0, or no C compiler")
+
+
+def exact_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """What the int8 kernel computes, in float64 from the same quantized operands: x's rows
+    quantized as `quantize_rows` does, integer products summed exactly, then rescaled."""
+    xq, xs = amx_linear.quantize_rows(x.reshape(-1, x.size(-1)))
+    out = (xq.double() @ q.double().T) * xs.double()[:, None] * scale.double()
+    if bias is not None:
+        out = out + bias.double()
+    return out.view(*x.shape[:-1], q.size(0))
+
+
+def test_row_quantization_is_symmetric_per_row() -> None:
+    x = torch.tensor([[0.5, -1.0, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0], [3.0, 1.5, -0.75, 0.01]])
+    q, scale = amx_linear.quantize_rows(x)
+    assert q.dtype == torch.int8
+    assert q.tolist() == [[64, -127, 32, 0], [0, 0, 0, 0], [127, 64, -32, 0]]  # 63.5 -> 64
+    torch.testing.assert_close(scale, torch.tensor([1.0, 0.0, 3.0]) / 127)
+
+
+@needs_amx_int8
+@pytest.mark.parametrize("rows", [1, 4, 15, 16, 17, 31, 32, 33, 100, 600])
+@pytest.mark.parametrize(("k", "n"), [(64, 8), (256, 40), (256, 768), (1024, 1000)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_kernel_computes_the_quantized_product(rows: int, k: int, n: int,
+                                                    bias: bool) -> None:
+    """Exact integer sums, so float rounding alone separates the kernel from the float64
+    product of the same quantized operands; and that product is within int8 error of the
+    float layer. 600 rows at 256 inputs cross the kernel's 512-row chunk; 1,000 outputs
+    leave a partial 32-output block with a partial 16-output half."""
+    from nmt.inference.int8_linear import quantize_weight
+
+    gen = torch.Generator().manual_seed(rows * 7 + k + n)
+    weight = torch.randn(n, k, generator=gen) / k ** 0.5
+    b = torch.randn(n, generator=gen) if bias else None
+    x = torch.randn(rows, k, generator=gen)
+    q, scale = quantize_weight(weight)
+    layer = amx_linear.AmxInt8Linear(q, scale, b)
+    with torch.inference_mode():
+        got = layer(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    torch.testing.assert_close(got.double(), exact_int8(x, q, scale, b), rtol=1e-5, atol=1e-4)
+    want = F.linear(x, weight, b)
+    assert float((got - want).norm() / want.norm()) < 0.03
+
+
+@needs_amx_int8
+def test_int8_strided_batched_zero_rows_and_two_threads() -> None:
+    from nmt.inference.int8_linear import quantize_weight
+
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(72, 128, generator=gen)
+    bias = torch.randn(72, generator=gen)
+    q, scale = quantize_weight(weight)
+    layer = amx_linear.AmxInt8Linear(q, scale, bias)
+    wide = torch.randn(37, 200, generator=gen)
+    strided = wide[:, 10:138]  # rows 200 elements apart
+    batched = torch.randn(3, 11, 128, generator=gen)
+    batched[1, 4] = 0.0  # an all-zero row gives the bias
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(strided).double(),
+                                   exact_int8(strided, q, scale, bias), rtol=1e-5, atol=1e-4)
+        got = layer(batched)
+        assert got.shape == (3, 11, 72)
+        torch.testing.assert_close(got.double(), exact_int8(batched, q, scale, bias),
+                                   rtol=1e-5, atol=1e-4)
+        assert torch.equal(got[1, 4], bias)
+        assert torch.equal(layer(batched.bfloat16()), layer(batched.bfloat16().float()))
+        x = torch.randn(300, 128, generator=gen)
+        one = layer(x)
+        torch.set_num_threads(2)
+        try:
+            two = layer(x)
+            empty = layer(torch.empty(0, 128))
+        finally:
+            torch.set_num_threads(1)
+    assert torch.equal(one, two)  # each output block is computed alike on any thread
+    assert empty.shape == (0, 72)
+
+
+@needs_amx_int8
+def test_int8_rows_and_snapshot() -> None:
+    from nmt.inference.int8_linear import make_int8_linear
+
+    linear = nn.Linear(64, 48)
+    layer = make_int8_linear(linear.weight, linear.bias, keep_quantized=True)
+    assert isinstance(layer, amx_linear.AmxInt8Linear)
+    assert list(layer.state_dict()) == []  # no parameters, like Int8Linear
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        before = layer(x)
+        index = torch.tensor([3, 0, 47, 20])
+        part = layer.rows(index)
+        torch.testing.assert_close(part(x), before[:, index] - linear.bias[index].detach(),
+                                   rtol=1e-5, atol=1e-5)  # rows keep no bias
+    with torch.no_grad():
+        linear.weight.zero_()
+    with torch.inference_mode():
+        assert torch.equal(layer(x), before)
+    with pytest.raises(ValueError, match="keep_quantized"):
+        make_int8_linear(linear.weight, None).rows(index)
+
+
+@needs_amx_int8
+def test_an_int8_model_runs_on_the_kernel_close_to_fp32_and_falls_back_when_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from nmt.inference.int8_linear import Int8Linear, output_projection, quantize_for_inference
+
+    plain = make_model()
+    on, off = make_model(), make_model()
+    assert quantize_for_inference(on) > 0
+    monkeypatch.setenv("NMT_AMX_INT8", "0")
+    assert quantize_for_inference(off) > 0
+    assert isinstance(output_projection(off.output_weight), Int8Linear)
+    monkeypatch.delenv("NMT_AMX_INT8")
+    assert not any(isinstance(m, amx_linear.AmxInt8Linear) for m in off.modules())
+    assert any(isinstance(m, amx_linear.AmxInt8Linear) for m in on.modules())
+    on_space = DecodingWorkspace(on, output_projection(on.output_weight))
+    assert isinstance(on_space.projection, amx_linear.AmxInt8Linear)
+    columns = torch.arange(0, 50, 2)
+    projection, weight = on_space.restricted(columns)  # a shortlist's rows, not requantized
+    assert isinstance(projection, amx_linear.AmxInt8Linear) and weight is None
+    for seed in range(3):
+        src = random_batch([8, 3, 5, 1, 6], seed)
+        with torch.inference_mode():
+            want = torch.log_softmax(plain(src, src), -1).exp()
+            for model in (on, off):
+                got = torch.log_softmax(model(src, src), -1).exp()
+                assert float((got - want).abs().max()) < 0.02  # probabilities
+            max_lens = max_output_lengths(src, 1.0, 5)
+            with on_space.decoder(src) as decoder:
+                hyps = beam_search(decoder, max_lens, beam=4, alpha=0.6, nbest=2, min_len=1)
+        assert [len(row) for row in hyps] == [2] * 5
+
+
+def test_int8_where_the_kernel_does_not_run_torch_kernels_do(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from nmt.inference import int8_linear
+
+    if not int8_linear.available():
+        pytest.skip("no int8 kernel of torch's here")
+    weight = torch.randn(48, 64)
+    assert isinstance(int8_linear.make_int8_linear(torch.randn(48, 40), None),
+                      int8_linear.Int8Linear)  # 40 inputs: no multiple of 64
+    monkeypatch.setenv("NMT_AMX_INT8", "0")
+    assert isinstance(int8_linear.make_int8_linear(weight, None), int8_linear.Int8Linear)
+    monkeypatch.delenv("NMT_AMX_INT8")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_VNNI")  # a CPU without AMX
+    assert isinstance(int8_linear.make_int8_linear(weight, None), int8_linear.Int8Linear)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setattr(amx_linear, "cpu_info", lambda: {"flags": "avx512f amx_tile"})
+    assert isinstance(int8_linear.make_int8_linear(weight, None), int8_linear.Int8Linear)
+    assert not amx_linear.fits_int8(torch.randn(48, 40))
+    if amx_linear.KERNEL.enabled():
+        with pytest.raises(ValueError, match="in_features % 64"):
+            amx_linear.AmxInt8Linear(torch.zeros(48, 40, dtype=torch.int8), torch.ones(48),
+                                     None)
