@@ -177,14 +177,22 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     return q, amax / 127.0
 
 
-@functools.cache
 def int8_works() -> bool:
     """Whether the kernel's int8 ops run here (built with AMX-INT8, AMX granted) and match
-    the same quantization done by PyTorch, as exactly as float rounding allows: row
-    counts below, at and past the 16- and 32-row blocks, a width no multiple of 16, with
-    and without a bias, one and two threads (checked once per process)."""
+    the same quantization done by PyTorch (`_int8_agrees`, checked once per library)."""
     lib = KERNEL.library()
-    if lib is None or _call(lib, OP_AVAILABLE_I8) != 0:
+    if lib is None:
+        return False
+    with torch.autocast("cpu", enabled=False), torch.inference_mode():  # any caller's context
+        return _int8_agrees(lib)
+
+
+@functools.cache
+def _int8_agrees(lib: ctypes.CDLL) -> bool:
+    """The int8 ops run and agree as exactly as float rounding allows: row counts below, at
+    and past the 16- and 32-row blocks, a width no multiple of 16, with and without a
+    bias, one and two threads."""
+    if _call(lib, OP_AVAILABLE_I8) != 0:
         return False
     gen = torch.Generator().manual_seed(0)
     weight = torch.randint(-127, 128, (40, 128), generator=gen, dtype=torch.int8)

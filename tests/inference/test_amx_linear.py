@@ -318,9 +318,12 @@ def test_int8_where_the_kernel_does_not_run_torch_kernels_do(
     weight = torch.randn(48, 64)
     assert isinstance(int8_linear.make_int8_linear(torch.randn(48, 40), None),
                       int8_linear.Int8Linear)  # 40 inputs: no multiple of 64
-    monkeypatch.setenv("NMT_AMX_INT8", "0")
-    assert isinstance(int8_linear.make_int8_linear(weight, None), int8_linear.Int8Linear)
-    monkeypatch.delenv("NMT_AMX_INT8")
+    on = amx_linear.AmxInt8Linear if amx_linear.int8_available() else int8_linear.Int8Linear
+    for name in ("NMT_AMX_INT8", "NMT_AMX_LINEAR"):  # either switch, and back on
+        monkeypatch.setenv(name, "0")
+        assert isinstance(int8_linear.make_int8_linear(weight, None), int8_linear.Int8Linear)
+        monkeypatch.delenv(name)
+        assert isinstance(int8_linear.make_int8_linear(weight, None), on)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_VNNI")  # a CPU without AMX
     assert isinstance(int8_linear.make_int8_linear(weight, None), int8_linear.Int8Linear)
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
