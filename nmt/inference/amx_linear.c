@@ -125,8 +125,10 @@ static inline void store(const float *acc, int64_t rows, int64_t cols, const bf1
     do {                                                                                 \
         _tile_zero(0);                                                                   \
         _tile_zero(1);                                                                   \
-        _tile_zero(2);                                                                   \
-        _tile_zero(3);                                                                   \
+        if ((rows) > 16) {                                                               \
+            _tile_zero(2);                                                               \
+            _tile_zero(3);                                                               \
+        }                                                                                \
         for (int64_t kb = 0; kb < (kb_count); kb++) {                                    \
             _tile_loadd(4, (const char *)(a) + kb * 64, (ldab));                         \
             _tile_loadd(6, (const char *)(wb) + kb * 1024, 64);                          \

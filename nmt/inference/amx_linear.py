@@ -102,10 +102,11 @@ KERNEL = native.Kernel(SOURCE, "nmt_amx_linear", PARAMS, _agrees, "NMT_AMX_LINEA
                        "the AMX bf16 linear kernel", "bf16 linears use oneDNN's")
 
 
-def has_amx() -> bool:
-    """Whether the CPU reports AMX tiles with bf16 (/proc/cpuinfo)."""
+def has_amx(kind: str = "bf16") -> bool:
+    """Whether the CPU reports AMX tiles with `kind` ("bf16" or "int8") products
+    (/proc/cpuinfo)."""
     flags = set(cpu_info().get("flags", "").split())
-    return {"amx_tile", "amx_bf16"} <= flags
+    return {"amx_tile", f"amx_{kind}"} <= flags
 
 
 def capped() -> bool:
@@ -216,9 +217,8 @@ def _int8_agrees(lib: ctypes.CDLL) -> bool:
 def int8_available() -> bool:
     """Whether int8 linears should run on this kernel here: an AMX-INT8 CPU, no ISA cap
     below AMX, the kernel wanted (NMT_AMX_LINEAR and NMT_AMX_INT8), built and checked."""
-    flags = set(cpu_info().get("flags", "").split())
-    return ({"amx_tile", "amx_int8"} <= flags and not capped()
-            and switch("NMT_AMX_INT8") != "0" and int8_works())
+    return (has_amx("int8") and not capped() and switch("NMT_AMX_INT8") != "0"
+            and int8_works())
 
 
 def fits_int8(weight: Tensor) -> bool:
