@@ -1,6 +1,8 @@
 """bench/gpu_session.py, the one-command GPU visit: its dry run (CPU, toy sizes) runs every
 step to the end, so the visit cannot rot between GPU sessions; the budget skips what does
-not fit; a bad --only is a usage error."""
+not fit; a bad --only is a usage error. The dry run's two halves of bench/gpu_check.py are
+also where that script's whole dry run is checked, check by check (run once, not twice:
+tests/test_gpu_check.py has its other cases)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,15 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "bench" / "gpu_session.py"
+CUDA_ONLY = {"translate_fp16", "host_syncs", "big_memory"}  # n/a on a CPU
+EVERY_CHECK = {"train_cpu_fp32", "train_bf16", "train_fp16", "resume", "translate_cpu_fp32",
+               "translate_fp32", "translate_bf16", "nbest", "sampling", "ensemble",
+               "attention", "shape_8gpu", "torchrun_2proc"} | CUDA_ONLY
+
+
+def _report(log: Path) -> dict:
+    """bench/gpu_check.py's JSON report: the last line of a step's log."""
+    return json.loads(log.read_text(encoding="utf-8").strip().splitlines()[-1])
 
 
 def _session(tmp_path: Path, *args: str, shared: Path | None = None,
@@ -43,6 +54,21 @@ def test_dry_run_runs_every_step(tmp_path, multi30k_dir):
     assert summary["bench"] == "gpu_session" and summary["failed"] == []
     score = (tmp_path / "out" / "quality.log").read_text()
     assert "BLEU = " in score and "chrF2 = " in score
+    # bench/gpu_check.py's dry run in the session's two halves: together every check, each
+    # once, passed on the CPU (the CUDA-only ones n/a), none passed off as a GPU figure.
+    train, other = (_report(tmp_path / "out" / f"{half}.log")
+                    for half in ("check_train", "check_other"))
+    assert all(r["bench"] == "gpu_check" and r["dry_run"] and r["failed"] == []
+               for r in (train, other))
+    assert not set(train["checks"]) & set(other["checks"])
+    checks = {**train["checks"], **other["checks"]}
+    assert set(checks) == EVERY_CHECK
+    for name, check in checks.items():
+        assert check["status"] == ("n/a" if name in CUDA_ONLY else "ok"), (name, check)
+    assert checks["resume"]["killed"] and checks["resume"]["end"] == train["updates"]
+    assert checks["translate_fp32"]["lines"] == train["lines"]
+    assert checks["torchrun_2proc"]["world_sizes"] == [2]  # on the prepared Multi30k
+    assert not checks["shape_8gpu"]["on_gpu"] and not checks["torchrun_2proc"]["on_gpu"]
 
 
 def test_budget_skips_what_does_not_fit_and_bad_only_is_refused(tmp_path):
