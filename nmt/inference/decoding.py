@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from nmt.config import DecodeConfig
 from nmt.inference.int8_linear import ROW_SELECTABLE
 from nmt.inference.kv_cache import GroupedCache, Regroup
+from nmt.inference.native_step import NativeStep, plan_for
 from nmt.inference.packed_linear import is_packed, make_linear
 from nmt.inference.rest_mass import RestMass, VocabularyMoments
 from nmt.inference.search import beam_search, greedy_decode, max_output_lengths
@@ -92,7 +93,8 @@ def init_state(model: Transformer, enc: EncoderOutput, attention_layer: int = -1
 def decode_step(model: Transformer, tokens: Tensor, state: DecodingCache, *,
                 need_attention: bool = False, live: Tensor | None = None,
                 out: Tensor | None = None, projection: nn.Module | None = None,
-                weight: Tensor | None = None, rest: RestMass | None = None) -> Tensor:
+                weight: Tensor | None = None, rest: RestMass | None = None,
+                native: NativeStep | None = None) -> Tensor:
     """Feed the newest token of each row, `tokens` (n,), at position `state.position`;
     update `state` in place and return next-token logits (n, vocab), computed for
     this one position only.
@@ -115,9 +117,25 @@ def decode_step(model: Transformer, tokens: Tensor, state: DecodingCache, *,
 
     With `need_attention`, the encoder-decoder attention of layer
     `state.attention_layer` is stored in `state.attention` (n or m, heads, src_len).
+
+    With `native` (nmt/inference/native_step.py), the decoder layers run as one C call
+    where it takes the step (not with `need_attention`), with the same results.
     """
     state.check_live()
     positions = model.dec_positions(1, offset=state.position)  # (1, d_model); checks the limit
+    features = None
+    if native is not None and not need_attention and isinstance(state, GroupedCache):
+        features = native.step(tokens, state, positions, live)  # (n or m, d_model) or None
+    if features is None:
+        features = _layers(model, tokens, state, positions, live, need_attention)
+    logits = _logits(model, features, out, projection, weight)  # (n or m, vocab)
+    return logits if rest is None else rest.fold_into(logits, features)
+
+
+def _layers(model: Transformer, tokens: Tensor, state: DecodingCache, positions: Tensor,
+            live: Tensor | None, need_attention: bool) -> Tensor:
+    """`decode_step`'s decoder layers in PyTorch: the features (n or m, d_model) of
+    `tokens` at `positions`; the state advanced by one position."""
     x = model.embed_tokens(tokens[:, None], positions)  # (n, 1, d_model)
     want = state.attention_layer % len(model.decoder) if need_attention else -1
     for i, (layer, cache) in enumerate(zip(model.decoder, state.layers(live), strict=True)):
@@ -127,8 +145,7 @@ def decode_step(model: Transformer, tokens: Tensor, state: DecodingCache, *,
     if model.dec_norm is not None:
         x = model.dec_norm(x)
     state.position += 1
-    logits = _logits(model, x[:, 0], out, projection, weight)  # (n or m, vocab)
-    return logits if rest is None else rest.fold_into(logits, x[:, 0])
+    return x[:, 0]
 
 
 def _logits(model: Transformer, features: Tensor, out: Tensor | None,
@@ -148,7 +165,8 @@ def _logits(model: Transformer, features: Tensor, out: Tensor | None,
 
 class DecodingWorkspace:
     """What one model's step decoders hand on from batch to batch: the logits buffer of the
-    last closed decoder (CPU), and the packed output projection.
+    last closed decoder (CPU), the packed output projection, and the plan of the native
+    decoder step where it runs the model (nmt/inference/native_step.py).
 
     Lent to one decoder at a time: `decoder(src)` takes the buffer, the decoder's `close()`
     gives its own back; a second decoder opened meanwhile allocates afresh (two live
@@ -164,6 +182,7 @@ class DecodingWorkspace:
         if projection is None and is_packed(model):
             projection = make_linear(model.output_weight, None)
         self.projection = projection
+        self.native = plan_for(model)  # None: the PyTorch layers decode
         self._logits: Tensor | None = None
         self._moments: VocabularyMoments | None = None  # made by the first shortlist
 
@@ -244,6 +263,8 @@ class ModelStepDecoder:
             self.rest = workspace.rest_mass(columns)
         self._workspace = workspace if src.device.type == "cpu" else None
         self._logits = self._workspace.take() if self._workspace is not None else None
+        plan = None if self._workspace is None else self._workspace.native
+        self._native = None if plan is None else plan.stepper()
 
     def __enter__(self) -> ModelStepDecoder:
         return self
@@ -267,14 +288,14 @@ class ModelStepDecoder:
         which the next step overwrites: copy what must outlive it."""
         return decode_step(self.model, self._ids(tokens), self.state,
                            out=self._out(tokens.numel()), projection=self.projection,
-                           weight=self.weight, rest=self.rest)
+                           weight=self.weight, rest=self.rest, native=self._native)
 
     def step_rows(self, tokens: Tensor, rows: Tensor, n_rows: int) -> Tensor:
         """Like `step` for rows `rows` (m,) of the `n_rows` only, `tokens` (m,) -> logits
         (m, V); the other rows are finished for good (see `decode_step`)."""
         return decode_step(self.model, self._ids(tokens), self.state, live=rows,
                            out=self._out(tokens.numel()), projection=self.projection,
-                           weight=self.weight, rest=self.rest)
+                           weight=self.weight, rest=self.rest, native=self._native)
 
     def _ids(self, tokens: Tensor) -> Tensor:
         """The token ids of the search's columns (the same without a shortlist)."""

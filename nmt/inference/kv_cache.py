@@ -113,14 +113,22 @@ class GroupedCache:
     def layers(self, live: Tensor | None = None) -> list[_GroupedLayer]:
         """Open the step at `self.position`: every layer's view of the caches, with
         `live` (m,) the rows fed (None: all). The caller advances `position` afterwards."""
+        mask, entries = self.open_step(live)
+        return [_GroupedLayer(self, i, self.position, mask, live, entries)
+                for i in range(len(self.self_k))]
+
+    def open_step(self, live: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
+        """The bookkeeping of a step at `self.position` (`layers`, and the native step of
+        nmt/inference/native_step.py, which writes the caches itself): room for the
+        position, each row's slot recorded, and what attention needs: the slot mask (None,
+        or (groups, 1, g, (t+1)*g) additive) and the fed groups (e,) of `live` (None: all
+        rows fed, or `live` is not whole groups)."""
         self.check_live()
         position = self.position
         if position == self.capacity:
             self.grow(min(2 * position, self.limit))
-        mask = slot_mask(self, position)  # None, or (groups, 1, g, (t+1)*g) additive
-        entries = None if live is None else live_groups(live, self.group_size)
-        return [_GroupedLayer(self, i, position, mask, live, entries)
-                for i in range(len(self.self_k))]
+        mask = slot_mask(self, position)
+        return mask, None if live is None else live_groups(live, self.group_size)
 
     def reserve(self, positions: int) -> None:
         """Make room for `positions` target tokens in all (capped by `limit`), so a search

@@ -427,8 +427,9 @@ def test_workspace_hands_its_logits_buffer_to_the_next_decoder() -> None:
         logits = first_decoder._logits
     assert logits is not None and workspace._logits is logits  # given back on leaving
     assert first_decoder.state.self_k == [] == first_decoder.state.self_v  # caches dropped
-    # nothing else kept (the vocabulary's moments only once a shortlist asks for them)
-    assert vars(workspace).keys() == {"model", "projection", "_logits", "_moments"}
+    # nothing else kept (the vocabulary's moments only once a shortlist asks for them; the
+    # native step's plan holds weight addresses, no memory of a batch's)
+    assert vars(workspace).keys() == {"model", "projection", "native", "_logits", "_moments"}
     assert workspace._moments is None
     with workspace.decoder(src) as dec:
         assert workspace._logits is None  # lent out: a second live decoder allocates anew

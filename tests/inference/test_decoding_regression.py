@@ -114,8 +114,8 @@ def test_pooled_memory_and_batches_change_nothing(setup) -> None:
     assert plain(again) == plain(first)
     # Nothing accumulates from batch to batch: the same one buffer, no cache kept.
     assert translator.workspaces[0]._logits is held
-    assert vars(translator.workspaces[0]).keys() == {"model", "projection", "_logits",
-                                                     "_moments"}
+    assert vars(translator.workspaces[0]).keys() == {"model", "projection", "native",
+                                                     "_logits", "_moments"}
     assert translator.workspaces[0]._moments is None  # made for a shortlist only
     max_lens = max_output_lengths(padded(sources), CFG.max_len_a, CFG.max_len_b)
     assert len({tuple(hyps[0].tokens) for hyps in first}) > LINES // 5  # input-dependent

@@ -119,22 +119,38 @@ def test_is_intel_reads_the_vendor(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not mkl_linear.is_intel()
 
 
-def test_broken_ops_fall_back_to_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where torch's MKL ops are missing or fail, fp32 layers are oneDNN's again."""
-
-    def broken(*_args: object) -> torch.Tensor:
-        raise RuntimeError("no MKL packed sgemm here")
-
+def test_missing_functions_fall_back_to_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where torch's library does not export MKL's packed sgemm, fp32 layers are oneDNN's
+    again (and an MklLinear cannot be made)."""
     mkl_linear.works.cache_clear()
     monkeypatch.setattr(mkl_linear, "is_intel", lambda: True)
-    monkeypatch.setattr(torch.ops.mkl, "_mkl_reorder_linear_weight", broken)
+    monkeypatch.setattr(mkl_linear, "mkl", lambda: None)
     try:
         assert not mkl_linear.available()
         if packed_linear.available(torch.float32):
             assert type(make_linear(torch.randn(8, 16), None)) is PackedLinear
+        with pytest.raises(RuntimeError, match="not available"):
+            MklLinear(torch.randn(8, 16), None)
     finally:
         monkeypatch.undo()
         mkl_linear.works.cache_clear()
+
+
+@needs_mkl
+def test_equals_torchs_own_mkl_op_bit_for_bit() -> None:
+    """The packed weight and the bias-first product are what torch's `mkl::_mkl_linear`
+    computes, to the last bit (the native decoder step relies on the same functions)."""
+    if not hasattr(torch.ops.mkl, "_mkl_linear"):
+        pytest.skip("this torch has no mkl::_mkl_linear to compare with")
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 300)
+    layer = MklLinear(linear.weight, linear.bias)
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(linear.weight.detach(), 1)
+    shape = torch.zeros(1).expand(300, 256)
+    for rows in (1, 4, 33):
+        x = torch.randn(rows, 256)
+        want = torch.ops.mkl._mkl_linear(x, packed, shape, linear.bias.detach(), rows)
+        assert torch.equal(layer(x), want)
 
 
 @needs_mkl

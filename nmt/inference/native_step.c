@@ -1,0 +1,140 @@
+/* One incremental decoder step's layer stack on a CPU in one call: fp32, post-norm.
+ *
+ * A decoder step in eager PyTorch is about 240 dispatched ops for three layers (views,
+ * transposes, splits, the cache writes, the checks around the C kernels); at a beam of one
+ * sentence they cost more than the matrix products (docs/performance.md). This runs the
+ * same arithmetic from one call: the linears on MKL's packed sgemm (the packed weights
+ * nmt/inference/mkl_linear.py made, through the `cblas_sgemm_compute` torch's library
+ * exports, each output row starting as the bias, beta = 1), the attention and the
+ * add + LayerNorm through nmt's own kernels (fused_attention.c, add_norm.c), called by
+ * address. Same functions, same order, same rounding: the features are bit-identical to
+ * the PyTorch path's (nmt/inference/native_step.py checks it once per process).
+ *
+ * Shapes: m rows fed, g rows per group (a sentence's beam), e = m / g groups fed, group i
+ * of them being cache group entries[i] (i itself without a list). The self-attention caches
+ * are the grouped cache's (groups, heads, capacity, g, d) buffers (nmt/inference/kv_cache.py),
+ * written here at this position in each row's own slot; the cross keys (groups, heads,
+ * src_len, d_k) and values (groups, heads, src_len, d_v). Embedding, slot mask and output
+ * projection stay in Python.
+ */
+#include "simd.h"
+
+typedef void (*sgemm_compute_t)(int, int, int, int, int, int, const float *, int,
+                                const float *, int, float, float *, int);
+typedef int (*kernel_t)(const int64_t *);
+
+/* The parameters, one int64 array: the header, then P_LAYERS blocks of L_COUNT. Pointers
+ * are addresses; strides in elements; eps and scale are float32 bit patterns. */
+enum {
+    P_COMPUTE, P_ATTENTION, P_ADD_NORM, /* cblas_sgemm_compute, nmt_attention, nmt_add_norm */
+    P_ROWS, P_G, P_ENTRIES, P_FED,      /* m, g, (e,) int64 or 0, e */
+    P_HEADS, P_DK, P_DV, P_D, P_F, P_S, P_POS, P_EPS, P_SCALE, P_THREADS,
+    P_SMASK, P_SM_E, P_SM_G, P_SM_L,    /* slot mask (groups, 1, g, L) additive, or 0 */
+    P_CMASK, P_CM_E, P_CM_L,            /* source mask (groups, 1, 1, S) additive, or 0 */
+    P_SK_E, P_SK_H, P_SK_P, P_SK_S,     /* self keys: group, head, position, slot strides */
+    P_SV_E, P_SV_H, P_SV_P, P_SV_S,     /* self values */
+    P_CK_E, P_CK_H, P_CK_L,             /* cross keys (d_k contiguous) */
+    P_CV_E, P_CV_H, P_CV_L,             /* cross values */
+    P_X, P_O, P_QKV, P_CTX, P_HID,      /* (m, d) x2, (m, 2 h d_k + h d_v), (m, h d_v), (m, f) */
+    P_LAYERS,
+    P_COUNT
+};
+
+/* Per layer: packed weights, biases, LayerNorm weights, and the layer's caches. */
+enum {
+    L_WQKV, L_BQKV, L_WO, L_BO, L_N1W, L_N1B,
+    L_WQ, L_BQ, L_WO2, L_BO2, L_N2W, L_N2B,
+    L_W1, L_B1, L_W2, L_B2, L_N3W, L_N3B,
+    L_SK, L_SV, L_CK, L_CV,
+    L_COUNT
+};
+
+int64_t nmt_decoder_step_params(void) { return P_COUNT; }
+
+int64_t nmt_decoder_step_layer_params(void) { return L_COUNT; }
+
+/* out (m, n) = x (m, k) W^T + b through MKL's packed W. */
+static void linear(const int64_t *p, const float *x, int64_t m, int64_t k,
+                   const int64_t packed, const int64_t bias, int64_t n, float *out) {
+    for (int64_t r = 0; r < m; r++) memcpy(out + r * n, (const float *)bias, sizeof(float) * n);
+    ((sgemm_compute_t)p[P_COMPUTE])(101, 111, 151, (int)m, (int)n, (int)k, x, (int)k,
+                                    (const float *)packed, (int)k, 1.0f, out, (int)n);
+}
+
+/* s = LayerNorm(x + s) * w + b over rows of d (nmt_add_norm, float32). */
+static int add_norm(const int64_t *p, const float *x, float *s, int64_t w, int64_t b) {
+    const int64_t m = p[P_ROWS], d = p[P_D];
+    const int64_t q[14] = {(int64_t)x, (int64_t)s, (int64_t)s, w, b, m, d, d, d, d, 0, 0,
+                           p[P_EPS], p[P_THREADS]};
+    return ((kernel_t)p[P_ADD_NORM])(q);
+}
+
+/* out (m, h d_v) = attention of the queries q (row stride q_g) of the fed groups against
+ * keys/values (strides in elements), mask (or 0), over L positions (nmt_attention). */
+static int attention(const int64_t *p, const float *q, int64_t q_g, const float *k,
+                     int64_t k_e, int64_t k_h, int64_t k_l, const float *v, int64_t v_e,
+                     int64_t v_h, int64_t v_l, int64_t mask, int64_t m_e, int64_t m_g,
+                     int64_t m_l, int64_t L, float *out) {
+    const int64_t g = p[P_G], H = p[P_HEADS], dk = p[P_DK], dv = p[P_DV];
+    const int64_t a[30] = {
+        (int64_t)q, (int64_t)k, (int64_t)v, mask, (int64_t)out,
+        p[P_FED], H, g, L, dk, dv,
+        g * q_g, dk, q_g,                 /* q (e, h, g, d_k) */
+        k_e, k_h, k_l, v_e, v_h, v_l,
+        m_e, m_g, m_l,
+        g * H * dv, dv, H * dv,           /* out (e, h, g, d_v) in (m, h d_v) rows */
+        0, p[P_THREADS], p[P_SCALE], p[P_ENTRIES]};
+    return ((kernel_t)p[P_ATTENTION])(a);
+}
+
+/* Run the step. Returns 0 when the output (m, d) is in P_X's buffer, 1 when in P_O's,
+ * -1 when a kernel failed (no memory for the attention's scratch). */
+int nmt_decoder_step(const int64_t *p) {
+    const int64_t m = p[P_ROWS], g = p[P_G], H = p[P_HEADS], dk = p[P_DK], dv = p[P_DV];
+    const int64_t D = p[P_D], F = p[P_F], pos = p[P_POS];
+    const int64_t W = 2 * H * dk + H * dv; /* a fused q/k/v row */
+    const int64_t *entries = (const int64_t *)p[P_ENTRIES];
+    float *x = (float *)p[P_X], *o = (float *)p[P_O];
+    float *qkv = (float *)p[P_QKV], *ctx = (float *)p[P_CTX], *hid = (float *)p[P_HID];
+    for (int64_t l = 0; l < p[P_LAYERS]; l++) {
+        const int64_t *w = p + P_COUNT + l * L_COUNT;
+        float *sk = (float *)w[L_SK], *sv = (float *)w[L_SV], *t;
+
+        /* self-attention: project, store this position's key/value in each row's slot */
+        linear(p, x, m, D, w[L_WQKV], w[L_BQKV], W, qkv);
+        for (int64_t r = 0; r < m; r++) {
+            const int64_t b = entries ? entries[r / g] : r / g, s = r % g;
+            const float *row = qkv + r * W;
+            for (int64_t h = 0; h < H; h++) {
+                memcpy(sk + b * p[P_SK_E] + h * p[P_SK_H] + pos * p[P_SK_P] + s * p[P_SK_S],
+                       row + H * dk + h * dk, sizeof(float) * dk);
+                memcpy(sv + b * p[P_SV_E] + h * p[P_SV_H] + pos * p[P_SV_P] + s * p[P_SV_S],
+                       row + 2 * H * dk + h * dv, sizeof(float) * dv);
+            }
+        }
+        /* the history: positions 0..pos of every slot, key l = position * g + slot */
+        if (attention(p, qkv, W, sk, p[P_SK_E], p[P_SK_H], p[P_SK_S], sv, p[P_SV_E],
+                      p[P_SV_H], p[P_SV_S], p[P_SMASK], p[P_SM_E], p[P_SM_G], p[P_SM_L],
+                      (pos + 1) * g, ctx)) return -1;
+        linear(p, ctx, m, H * dv, w[L_WO], w[L_BO], D, o);
+        if (add_norm(p, x, o, w[L_N1W], w[L_N1B])) return -1;
+        t = x, x = o, o = t;
+
+        /* encoder-decoder attention */
+        linear(p, x, m, D, w[L_WQ], w[L_BQ], H * dk, qkv);
+        if (attention(p, qkv, H * dk, (const float *)w[L_CK], p[P_CK_E], p[P_CK_H],
+                      p[P_CK_L], (const float *)w[L_CV], p[P_CV_E], p[P_CV_H], p[P_CV_L],
+                      p[P_CMASK], p[P_CM_E], 0, p[P_CM_L], p[P_S], ctx)) return -1;
+        linear(p, ctx, m, H * dv, w[L_WO2], w[L_BO2], D, o);
+        if (add_norm(p, x, o, w[L_N2W], w[L_N2B])) return -1;
+        t = x, x = o, o = t;
+
+        /* feed-forward */
+        linear(p, x, m, D, w[L_W1], w[L_B1], F, hid);
+        for (int64_t i = 0; i < m * F; i++) hid[i] = hid[i] > 0.0f ? hid[i] : 0.0f;
+        linear(p, hid, m, F, w[L_W2], w[L_B2], D, o);
+        if (add_norm(p, x, o, w[L_N3W], w[L_N3B])) return -1;
+        t = x, x = o, o = t;
+    }
+    return x == (float *)p[P_X] ? 0 : 1;
+}

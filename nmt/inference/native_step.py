@@ -1,0 +1,341 @@
+"""The CPU decoder step's layer stack as one C call (native_step.c), fp32 on MKL's packed sgemm.
+
+Why: one sentence at a time, a step of beam search on a CPU spends more time dispatching
+about 240 small PyTorch ops than in its matrix products (docs/performance.md); the C step
+runs the same kernels (MKL's packed sgemm, nmt's attention and add + LayerNorm) from one
+call, with the same results bit for bit.
+
+What takes it: a post-norm model in fp32 whose decoder linears are `MklLinear` (the
+translator's fp32 path on an Intel CPU, nmt/inference/mkl_linear.py), decoding with the
+grouped cache (nmt/inference/kv_cache.py) on rows that are whole groups, without the
+attention weights; the three kernels built and checked. Anything else returns None from
+`NativeStep.step`, and decode_step (nmt/inference/decoding.py) runs the PyTorch layers.
+The embedding, the slot mask and the output projection stay in PyTorch. The library is
+built on first use like the other kernels (nmt/native.py) and checked once per process
+against the PyTorch step; NMT_NATIVE_STEP=0 (nmt/switches.py) turns it off.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import nmt.native as native
+from nmt.inference import mkl_linear
+from nmt.inference.mkl_linear import MklLinear
+from nmt.model import add_norm, fused_attention
+from nmt.model.layers import DecoderLayer
+from nmt.model.transformer import Transformer
+from nmt.switches import switch
+
+SOURCE = Path(__file__).with_suffix(".c")
+PARAMS = 44  # the header's length: P_COUNT of the C source
+LAYER_PARAMS = 22  # one layer's block: L_COUNT of the C source
+
+
+class StepState(Protocol):
+    """What the native step reads and writes of a decoding state: the grouped cache's
+    layout (nmt/inference/kv_cache.py `GroupedCache`, the only state decode_step hands it;
+    the caches stay decoding's business)."""
+
+    self_k: list[Tensor]  # per layer (groups, heads, capacity, g, d_k)
+    self_v: list[Tensor]  # per layer (groups, heads, capacity, g, d_v)
+    cross_k: list[Tensor]  # per layer (groups, heads, d_k, src_len): keys transposed
+    cross_v: list[Tensor]  # per layer (groups, heads, src_len, d_v)
+    cross_mask: Tensor | None  # (groups, 1, 1, src_len) additive
+    group_size: int
+    position: int
+
+    def open_step(self, live: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
+        """Room for this position, and its slot mask and fed groups (see GroupedCache)."""
+        ...
+
+
+class NativePlan:
+    """What a model's native step needs that stays the same from step to step: the
+    kernels' addresses, the sizes, and each decoder layer's weight addresses (the packed
+    weights of its `MklLinear`s, the biases and LayerNorm parameters, which it keeps
+    alive). One per model (the workspace keeps it); `stepper()` per decoder."""
+
+    def __init__(self, model: Transformer, lib: ctypes.CDLL, compute: int, attention: int,
+                 norm: int) -> None:
+        cfg = model.config
+        self.model, self._lib = model, lib
+        self.heads, self.d_k, self.d_v = cfg.heads, cfg.head_dim_k, cfg.head_dim_v
+        self.d_model, self.d_ff = cfg.d_model, cfg.d_ff
+        self.width = 2 * self.heads * self.d_k + self.heads * self.d_v  # a fused q/k/v row
+        self.kernels = (compute, attention, norm)
+        eps = model.decoder[0].res_self.norm.eps
+        self.eps_bits = native.float_bits(eps)
+        self.scale_bits = native.float_bits(self.d_k ** -0.5)
+        self.layers = [_layer_addresses(layer) for layer in model.decoder]
+
+    def stepper(self) -> NativeStep:
+        """A step runner with scratch memory of its own (one per decoder)."""
+        return NativeStep(self)
+
+
+class NativeStep:
+    """Runs a `NativePlan`'s step for one decoder, in scratch memory that grows with the
+    rows (the layers' activations: two (rows, d_model) buffers, the fused q/k/v, the
+    attention context and the feed-forward's hidden rows)."""
+
+    def __init__(self, plan: NativePlan) -> None:
+        self.plan = plan
+        self._scratch = torch.empty(0)
+
+    def step(self, tokens: Tensor, state: StepState, positions: Tensor,
+             live: Tensor | None = None) -> Tensor | None:
+        """Feed `tokens` (m,) at `state.position` (`positions` (1, d_model) its encoding)
+        through the decoder layers, write the caches, advance the position, and return the
+        last layer's features (m, d_model), valid until the next step; None (nothing done)
+        when this state or these rows are not the native step's (see module docstring)."""
+        plan = self.plan
+        if not _layout_fits(state, plan):
+            return None
+        g = state.group_size
+        m = tokens.numel()
+        if live is not None and m % g:
+            return None  # not whole groups: the PyTorch layers handle any rows
+        mask, entries = state.open_step(live)
+        x0 = plan.model.embed_tokens(tokens[:, None], positions)  # (m, 1, d_model)
+        d, per_row = plan.d_model, 2 * plan.d_model + plan.width + plan.heads * plan.d_v
+        if self._scratch.numel() < m * (per_row + plan.d_ff):
+            self._scratch = torch.empty(m * (per_row + plan.d_ff))
+        scratch = self._scratch
+        x = scratch[: m * d].view(m, d)
+        x.copy_(x0.view(m, d))
+        o = scratch[m * d: 2 * m * d].view(m, d)
+        qkv_at, ctx_at, hid_at = 2 * m * d, 2 * m * d + m * plan.width, m * per_row
+        fed = m // g
+        keys0, values0 = state.self_k[0], state.self_v[0]  # (groups, heads, cap, g, d)
+        cross_k, cross_v = state.cross_k[0], state.cross_v[0]  # (groups, heads, d_k, S), V
+        cross_mask = state.cross_mask  # (groups, 1, 1, S) additive, or None
+        if entries is not None:
+            entries = entries.contiguous()
+        params = array.array("q", (
+            *plan.kernels, m, g, 0 if entries is None else entries.data_ptr(), fed,
+            plan.heads, plan.d_k, plan.d_v, d, plan.d_ff, cross_v.size(2), state.position,
+            plan.eps_bits, plan.scale_bits, torch.get_num_threads(),
+            *_mask_params(mask, 2), *_mask_params(cross_mask, None),
+            *keys0.stride()[:4], *values0.stride()[:4],
+            cross_k.stride(0), cross_k.stride(1), cross_k.stride(3),
+            *cross_v.stride()[:3],
+            x.data_ptr(), o.data_ptr(), scratch.data_ptr() + 4 * qkv_at,
+            scratch.data_ptr() + 4 * ctx_at, scratch.data_ptr() + 4 * hid_at,
+            len(plan.layers)))
+        for weights, keys, values, k_t, v in zip(plan.layers, state.self_k, state.self_v,
+                                                 state.cross_k, state.cross_v, strict=True):
+            params.extend(weights)
+            params.extend((keys.data_ptr(), values.data_ptr(), k_t.data_ptr(), v.data_ptr()))
+        which = plan._lib.nmt_decoder_step(params.buffer_info()[0])
+        if which < 0:
+            raise MemoryError("native decoder step: no memory for the attention's scratch")
+        state.position += 1
+        return x if which == 0 else o
+
+
+def plan_for(model: Transformer) -> NativePlan | None:
+    """The native step's plan for `model`, or None where it does not apply: the switch off
+    (NMT_NATIVE_STEP=0), a model it does not take (see module docstring), or a kernel
+    missing (no C compiler, no MKL in this torch)."""
+    if not takes(model):
+        return None
+    lib = KERNEL.library()
+    return None if lib is None else _plan(model, lib)
+
+
+def takes(model: Transformer) -> bool:
+    """Whether the native step is wanted and can run `model`'s decoder here (the C library
+    aside): post-norm, in inference mode, fp32, every decoder linear an `MklLinear` with a
+    bias, LayerNorms of one eps with weights and biases, attention heads' and model widths
+    the kernels take; the MKL functions and the attention and add + LayerNorm kernels
+    there."""
+    if switch("NMT_NATIVE_STEP") == "0" or model.training or model.config.pre_norm:
+        return False
+    if model.dec_norm is not None or not 0 < model.config.d_model <= add_norm.MAX_D:
+        return False
+    eps = {norm.eps for layer in model.decoder for norm in _norms(layer)}
+    if len(eps) != 1 or not all(_fits(layer) for layer in model.decoder):
+        return False
+    return (mkl_linear.mkl() is not None and fused_attention.enabled()
+            and add_norm.enabled())
+
+
+def _plan(model: Transformer, lib: ctypes.CDLL) -> NativePlan:
+    """The plan over `lib` (the checks of `takes` passed)."""
+    functions = mkl_linear.mkl()
+    attention, norm = fused_attention.KERNEL.library(), add_norm.KERNEL.library()
+    assert functions is not None and attention is not None and norm is not None
+    return NativePlan(model, lib, functions.compute_address,
+                      _address(attention.nmt_attention), _address(norm.nmt_add_norm))
+
+
+def _address(function: ctypes._CFuncPtr) -> int:
+    return ctypes.cast(function, ctypes.c_void_p).value or 0
+
+
+def _linears(layer: DecoderLayer) -> tuple:
+    """A decoder layer's six per-step linears, in the C source's order."""
+    return (layer.self_attn.qkv, layer.self_attn.out, layer.cross_attn.q,
+            layer.cross_attn.out, layer.ffn.fc1, layer.ffn.fc2)
+
+
+def _norms(layer: DecoderLayer) -> tuple:
+    return layer.res_self.norm, layer.res_cross.norm, layer.res_ffn.norm
+
+
+def _fits(layer: DecoderLayer) -> bool:
+    """Every linear an `MklLinear` with a bias; every LayerNorm affine in fp32."""
+    if not all(isinstance(linear, MklLinear) and linear.bias is not None
+               for linear in _linears(layer)):
+        return False
+    return all(norm.weight is not None and norm.bias is not None
+               and norm.weight.dtype == torch.float32 and norm.bias.dtype == torch.float32
+               and norm.weight.is_contiguous() and norm.bias.is_contiguous()
+               for norm in _norms(layer))
+
+
+def _layer_addresses(layer: DecoderLayer) -> list[int]:
+    """The layer's weight addresses in the C source's order (L_WQKV .. L_N3B)."""
+    qkv, out, q, out2, fc1, fc2 = _linears(layer)
+    n1, n2, n3 = _norms(layer)
+    addresses = []
+    for linears, norm in (((qkv, out), n1), ((q, out2), n2), ((fc1, fc2), n3)):
+        for linear in linears:
+            addresses += [linear.address, linear.bias.data_ptr()]
+        addresses += [norm.weight.data_ptr(), norm.bias.data_ptr()]
+    return addresses
+
+
+def _layout_fits(state: StepState, plan: NativePlan) -> bool:
+    """Whether the state's tensors are laid out as the C step reads them: fp32 caches,
+    contiguous (groups, heads, capacity, g, d) self-attention buffers, cross keys stored
+    d_k-contiguous (the attention kernel's layout) and values d_v-contiguous, all layers
+    alike; an fp32 additive source mask."""
+    keys0, k_t0 = state.self_k[0], state.cross_k[0]
+    if keys0.dtype != torch.float32 or k_t0.dtype != torch.float32:
+        return False
+    if state.cross_mask is not None and state.cross_mask.dtype != torch.float32:
+        return False
+    if k_t0.stride(2) != 1 or state.cross_v[0].stride(3) != 1:
+        return False
+    if keys0.size(-1) != plan.d_k or state.self_v[0].size(-1) != plan.d_v:
+        return False
+    strides = (keys0.stride(), state.self_v[0].stride(), k_t0.stride(),
+               state.cross_v[0].stride())
+    return (keys0.is_contiguous() and state.self_v[0].is_contiguous()
+            and all((k.stride(), v.stride(), ck.stride(), cv.stride()) == strides
+                    for k, v, ck, cv in zip(state.self_k, state.self_v, state.cross_k,
+                                            state.cross_v, strict=True)))
+
+
+def _mask_params(mask: Tensor | None, query_dim: int | None) -> tuple[int, ...]:
+    """Address and (entry, query, position) strides of a (groups, 1, g or 1, L) additive
+    mask; a slot mask has its query stride, a source mask (`query_dim` None) none."""
+    if mask is None:
+        return (0, 0, 0, 0) if query_dim is not None else (0, 0, 0)
+    if query_dim is None:
+        return mask.data_ptr(), mask.stride(0), mask.stride(3)
+    return mask.data_ptr(), mask.stride(0), mask.stride(query_dim), mask.stride(3)
+
+
+@dataclass
+class _CheckState:
+    """A `StepState` built by hand for `_agrees`: every slot visible unless masked."""
+
+    self_k: list[Tensor]
+    self_v: list[Tensor]
+    cross_k: list[Tensor]
+    cross_v: list[Tensor]
+    cross_mask: Tensor | None
+    mask: Tensor | None
+    entries: Tensor | None
+    group_size: int
+    position: int
+
+    def open_step(self, live: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
+        return self.mask, self.entries
+
+
+def _agrees(lib: ctypes.CDLL) -> bool:
+    """The C step against the same step written out in PyTorch (`_reference`) on a tiny
+    random model: 3 sentences of 2 rows at position 3 over a random history and slot
+    mask, a padded source, the second and third sentences fed; features to float
+    rounding, and this position's keys and values written where they belong."""
+    from nmt.config import model_preset
+    from nmt.inference.packed_linear import swap_linears
+
+    if mkl_linear.mkl() is None or not (fused_attention.enabled() and add_norm.enabled()):
+        return False
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Transformer(model_preset("tiny", vocab_size=40)).eval()
+        swap_linears(model, MklLinear)
+        cfg, groups, g, position = model.config, 3, 2, 3
+        heads, d_k, d_v = cfg.heads, cfg.head_dim_k, cfg.head_dim_v
+        keys = [torch.randn(groups, heads, 8, g, d_k) for _ in model.decoder]
+        values = [torch.randn(groups, heads, 8, g, d_v) for _ in model.decoder]
+        cross_k = [torch.randn(groups, heads, 5, d_k).transpose(-1, -2) for _ in model.decoder]
+        cross_v = [torch.randn(groups, heads, 5, d_v) for _ in model.decoder]
+        allowed = torch.rand(groups, 1, g, (position + 1) * g) > 0.3
+        allowed[..., -g:] = True  # this position's slots
+        tokens = torch.randint(4, 40, (4,))
+    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+    cross_mask = torch.zeros(groups, 1, 1, 5)
+    cross_mask[1, ..., 3:] = float("-inf")  # a padded source
+    entries = torch.tensor([1, 2])
+    state = _CheckState([k.clone() for k in keys], [v.clone() for v in values], cross_k,
+                        cross_v, cross_mask, mask, entries, g, position)
+    positions = model.dec_positions(1, offset=position)
+    got = _plan(model, lib).stepper().step(tokens, state, positions, torch.arange(2, 6))
+    want = _reference(model, tokens, positions, state, keys, values, mask)
+    written = all(torch.allclose(a[1:, :, position], b[1:, :, position], rtol=1e-4, atol=1e-5)
+                  and torch.equal(a[0], b[0])  # the sentence not fed: untouched
+                  for a, b in zip(state.self_k + state.self_v, keys + values, strict=True))
+    return (got is not None and written and state.position == position + 1
+            and torch.allclose(got, want, rtol=1e-4, atol=1e-5))
+
+
+def _reference(model: Transformer, tokens: Tensor, positions: Tensor, state: _CheckState,
+               keys: list[Tensor], values: list[Tensor], mask: Tensor) -> Tensor:
+    """`_agrees`'s step in PyTorch ops: the fed groups `state.entries` (their g rows
+    each), writing this position into `keys`/`values` (groups, heads, cap, g, d) in place;
+    the features (m, d_model)."""
+    fed, g, position = state.entries, state.group_size, state.position - 1
+    e = fed.numel()
+    x = model.embed_tokens(tokens, positions)  # (m, d_model)
+    end = position + 1
+
+    def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+        # q (e, heads, g, d_k), k (e, heads, L, d_k), v (e, heads, L, d_v), bias (e, 1, g|1, L)
+        scores = q @ k.transpose(-1, -2) * q.size(-1) ** -0.5 + bias
+        return (scores.softmax(-1) @ v).transpose(1, 2).reshape(e * g, -1)  # (m, heads*d_v)
+
+    for layer, k_cache, v_cache, k_t, v in zip(model.decoder, keys, values, state.cross_k,
+                                               state.cross_v, strict=True):
+        sa, ca = layer.self_attn, layer.cross_attn
+        q, k, v_new = sa.qkv(x).split(sa.sizes, dim=-1)  # each (m, heads * d)
+        heads = sa.heads
+        k_cache[fed, :, position] = k.view(e, g, heads, -1).transpose(1, 2)  # (e, heads, g, d)
+        v_cache[fed, :, position] = v_new.view(e, g, heads, -1).transpose(1, 2)
+        history_k = k_cache[fed, :, :end].flatten(2, 3)  # (e, heads, L, d_k)
+        history_v = v_cache[fed, :, :end].flatten(2, 3)
+        q = q.view(e, g, heads, -1).transpose(1, 2)  # (e, heads, g, d_k)
+        x = layer.res_self.norm(x + sa.out(attend(q, history_k, history_v, mask[fed])))
+        q = ca.q(x).view(e, g, heads, -1).transpose(1, 2)  # (e, heads, g, d_k)
+        context = attend(q, k_t[fed].transpose(-1, -2), v[fed], state.cross_mask[fed])
+        x = layer.res_cross.norm(x + ca.out(context))
+        x = layer.res_ffn.norm(x + layer.ffn.fc2(F.relu(layer.ffn.fc1(x))))
+    return x
+
+
+KERNEL = native.Kernel(SOURCE, "nmt_decoder_step", PARAMS, _agrees, "NMT_NATIVE_STEP",
+                       "the native decoder step", "decoding runs PyTorch's layers")
