@@ -1,13 +1,15 @@
-/* One incremental decoder step's layer stack on a CPU in one call: fp32, post-norm.
+/* One incremental decoder step's layer stack on a CPU in one call: fp32 activations,
+ * post-norm.
  *
  * A decoder step in eager PyTorch is about 240 dispatched ops for three layers (views,
  * transposes, splits, the cache writes, the checks around the C kernels); at a beam of one
  * sentence they cost more than the matrix products (docs/performance.md). This runs the
- * same arithmetic from one call: the linears on MKL's packed sgemm (the packed weights
- * nmt/inference/mkl_linear.py made, through the `cblas_sgemm_compute` torch's library
- * exports, each output row starting as the bias, beta = 1), the attention and the
- * add + LayerNorm through nmt's own kernels (fused_attention.c, add_norm.c), called by
- * address. Same functions, same order, same rounding: the features are bit-identical to
+ * same arithmetic from one call: each linear on the kernel its layer uses (fp32: MKL's
+ * packed sgemm on the weights nmt/inference/mkl_linear.py packed, through the
+ * `cblas_sgemm_compute` torch's library exports, each output row starting as the bias,
+ * beta = 1; int8: the AMX kernel of nmt/inference/amx_linear.c on its packed int8 weights,
+ * activations quantized per row inside it), the attention and the add + LayerNorm through
+ * nmt's own kernels (fused_attention.c, add_norm.c), all called by address. Same functions, same order, same rounding: the features are bit-identical to
  * the PyTorch path's (nmt/inference/native_step.py checks it once per process).
  *
  * Shapes: m rows fed, g rows per group (a sentence's beam), e = m / g groups fed, group i
@@ -27,6 +29,7 @@ typedef int (*kernel_t)(const int64_t *);
  * are addresses; strides in elements; eps and scale are float32 bit patterns. */
 enum {
     P_COMPUTE, P_ATTENTION, P_ADD_NORM, /* cblas_sgemm_compute, nmt_attention, nmt_add_norm */
+    P_AMX,                              /* nmt_amx_linear, or 0 where no layer is int8 */
     P_ROWS, P_G, P_ENTRIES, P_FED,      /* m, g, (e,) int64 or 0, e */
     P_HEADS, P_DK, P_DV, P_D, P_F, P_S, P_POS, P_EPS, P_SCALE, P_THREADS,
     P_SMASK, P_SM_E, P_SM_G, P_SM_L,    /* slot mask (groups, 1, g, L) additive, or 0 */
@@ -40,11 +43,15 @@ enum {
     P_COUNT
 };
 
-/* Per layer: packed weights, biases, LayerNorm weights, and the layer's caches. */
+/* Per layer: its linears (each LIN_COUNT entries: kind, packed weight, bias or 0, int8
+ * weight scales or 0), LayerNorm weights and biases, and the layer's caches. */
+enum { LIN_KIND, LIN_W, LIN_B, LIN_SCALE, LIN_COUNT };
+enum { KIND_MKL = 0, KIND_AMX_I8 = 1 };
+enum { AMX_LINEAR_I8 = 5 }; /* OP_LINEAR_I8 of amx_linear.c */
 enum {
-    L_WQKV, L_BQKV, L_WO, L_BO, L_N1W, L_N1B,
-    L_WQ, L_BQ, L_WO2, L_BO2, L_N2W, L_N2B,
-    L_W1, L_B1, L_W2, L_B2, L_N3W, L_N3B,
+    L_QKV = 0, L_O = L_QKV + LIN_COUNT, L_N1W = L_O + LIN_COUNT, L_N1B,
+    L_Q, L_O2 = L_Q + LIN_COUNT, L_N2W = L_O2 + LIN_COUNT, L_N2B,
+    L_FC1, L_FC2 = L_FC1 + LIN_COUNT, L_N3W = L_FC2 + LIN_COUNT, L_N3B,
     L_SK, L_SV, L_CK, L_CV,
     L_COUNT
 };
@@ -53,12 +60,22 @@ int64_t nmt_decoder_step_params(void) { return P_COUNT; }
 
 int64_t nmt_decoder_step_layer_params(void) { return L_COUNT; }
 
-/* out (m, n) = x (m, k) W^T + b through MKL's packed W. */
-static void linear(const int64_t *p, const float *x, int64_t m, int64_t k,
-                   const int64_t packed, const int64_t bias, int64_t n, float *out) {
-    for (int64_t r = 0; r < m; r++) memcpy(out + r * n, (const float *)bias, sizeof(float) * n);
+/* out (m, n) = x (m, k) W^T + b by the layer's kernel (`lin`: LIN_COUNT entries).
+ * Returns 0, or -1 when the int8 kernel failed. */
+static int linear(const int64_t *p, const float *x, int64_t m, int64_t k, const int64_t *lin,
+                  int64_t n, float *out) {
+    if (lin[LIN_KIND] == KIND_AMX_I8) {
+        const int64_t a[12] = {AMX_LINEAR_I8, (int64_t)x, m, k, k, lin[LIN_W], n, lin[LIN_B],
+                               (int64_t)out, n, p[P_THREADS], lin[LIN_SCALE]};
+        return ((kernel_t)p[P_AMX])(a) ? -1 : 0;
+    }
+    const float *bias = (const float *)lin[LIN_B];
+    if (bias)
+        for (int64_t r = 0; r < m; r++) memcpy(out + r * n, bias, sizeof(float) * n);
     ((sgemm_compute_t)p[P_COMPUTE])(101, 111, 151, (int)m, (int)n, (int)k, x, (int)k,
-                                    (const float *)packed, (int)k, 1.0f, out, (int)n);
+                                    (const float *)lin[LIN_W], (int)k, bias ? 1.0f : 0.0f,
+                                    out, (int)n);
+    return 0;
 }
 
 /* s = LayerNorm(x + s) * w + b over rows of d (nmt_add_norm, float32). */
@@ -88,7 +105,7 @@ static int attention(const int64_t *p, const float *q, int64_t q_g, const float 
 }
 
 /* Run the step. Returns 0 when the output (m, d) is in P_X's buffer, 1 when in P_O's,
- * -1 when a kernel failed (no memory for the attention's scratch). */
+ * -1 when a kernel failed (no memory for the attention's scratch, the int8 kernel). */
 int nmt_decoder_step(const int64_t *p) {
     const int64_t m = p[P_ROWS], g = p[P_G], H = p[P_HEADS], dk = p[P_DK], dv = p[P_DV];
     const int64_t D = p[P_D], F = p[P_F], pos = p[P_POS];
@@ -101,7 +118,7 @@ int nmt_decoder_step(const int64_t *p) {
         float *sk = (float *)w[L_SK], *sv = (float *)w[L_SV], *t;
 
         /* self-attention: project, store this position's key/value in each row's slot */
-        linear(p, x, m, D, w[L_WQKV], w[L_BQKV], W, qkv);
+        if (linear(p, x, m, D, w + L_QKV, W, qkv)) return -1;
         for (int64_t r = 0; r < m; r++) {
             const int64_t b = entries ? entries[r / g] : r / g, s = r % g;
             const float *row = qkv + r * W;
@@ -116,23 +133,23 @@ int nmt_decoder_step(const int64_t *p) {
         if (attention(p, qkv, W, sk, p[P_SK_E], p[P_SK_H], p[P_SK_S], sv, p[P_SV_E],
                       p[P_SV_H], p[P_SV_S], p[P_SMASK], p[P_SM_E], p[P_SM_G], p[P_SM_L],
                       (pos + 1) * g, ctx)) return -1;
-        linear(p, ctx, m, H * dv, w[L_WO], w[L_BO], D, o);
+        if (linear(p, ctx, m, H * dv, w + L_O, D, o)) return -1;
         if (add_norm(p, x, o, w[L_N1W], w[L_N1B])) return -1;
         t = x, x = o, o = t;
 
         /* encoder-decoder attention */
-        linear(p, x, m, D, w[L_WQ], w[L_BQ], H * dk, qkv);
+        if (linear(p, x, m, D, w + L_Q, H * dk, qkv)) return -1;
         if (attention(p, qkv, H * dk, (const float *)w[L_CK], p[P_CK_E], p[P_CK_H],
                       p[P_CK_L], (const float *)w[L_CV], p[P_CV_E], p[P_CV_H], p[P_CV_L],
                       p[P_CMASK], p[P_CM_E], 0, p[P_CM_L], p[P_S], ctx)) return -1;
-        linear(p, ctx, m, H * dv, w[L_WO2], w[L_BO2], D, o);
+        if (linear(p, ctx, m, H * dv, w + L_O2, D, o)) return -1;
         if (add_norm(p, x, o, w[L_N2W], w[L_N2B])) return -1;
         t = x, x = o, o = t;
 
         /* feed-forward */
-        linear(p, x, m, D, w[L_W1], w[L_B1], F, hid);
+        if (linear(p, x, m, D, w + L_FC1, F, hid)) return -1;
         for (int64_t i = 0; i < m * F; i++) hid[i] = hid[i] > 0.0f ? hid[i] : 0.0f;
-        linear(p, hid, m, F, w[L_W2], w[L_B2], D, o);
+        if (linear(p, hid, m, F, w + L_FC2, D, o)) return -1;
         if (add_norm(p, x, o, w[L_N3W], w[L_N3B])) return -1;
         t = x, x = o, o = t;
     }

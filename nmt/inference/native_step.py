@@ -1,12 +1,14 @@
-"""The CPU decoder step's layer stack as one C call (native_step.c), fp32 on MKL's packed sgemm.
+"""The CPU decoder step's layer stack as one C call (native_step.c): fp32 and int8 linears.
 
 Why: one sentence at a time, a step of beam search on a CPU spends more time dispatching
 about 240 small PyTorch ops than in its matrix products (docs/performance.md); the C step
 runs the same kernels (MKL's packed sgemm, nmt's attention and add + LayerNorm) from one
 call, with the same results bit for bit.
 
-What takes it: a post-norm model in fp32 whose decoder linears are `MklLinear` (the
-translator's fp32 path on an Intel CPU, nmt/inference/mkl_linear.py), decoding with the
+What takes it: a post-norm model with fp32 activations whose decoder linears are
+`MklLinear` (the translator's fp32 path on an Intel CPU, nmt/inference/mkl_linear.py) or
+`AmxInt8Linear` (its int8 path on a CPU with AMX-INT8, nmt/inference/amx_linear.py), in any
+mix, decoding with the
 grouped cache (nmt/inference/kv_cache.py) on rows that are whole groups, without the
 attention weights; the three kernels built and checked. Anything else returns None from
 `NativeStep.step`, and decode_step (nmt/inference/decoding.py) runs the PyTorch layers.
@@ -28,7 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import nmt.native as native
-from nmt.inference import mkl_linear
+from nmt.inference import amx_linear, mkl_linear
+from nmt.inference.amx_linear import AmxInt8Linear
 from nmt.inference.mkl_linear import MklLinear
 from nmt.model import add_norm, fused_attention
 from nmt.model.layers import DecoderLayer
@@ -36,8 +39,9 @@ from nmt.model.transformer import Transformer
 from nmt.switches import switch
 
 SOURCE = Path(__file__).with_suffix(".c")
-PARAMS = 44  # the header's length: P_COUNT of the C source
-LAYER_PARAMS = 22  # one layer's block: L_COUNT of the C source
+PARAMS = 45  # the header's length: P_COUNT of the C source
+LAYER_PARAMS = 34  # one layer's block: L_COUNT of the C source
+KIND_MKL, KIND_AMX_I8 = 0, 1  # a linear's kernel, as the C source numbers them
 
 
 class StepState(Protocol):
@@ -65,13 +69,13 @@ class NativePlan:
     alive). One per model (the workspace keeps it); `stepper()` per decoder."""
 
     def __init__(self, model: Transformer, lib: ctypes.CDLL, compute: int, attention: int,
-                 norm: int) -> None:
+                 norm: int, amx: int) -> None:
         cfg = model.config
         self.model, self._lib = model, lib
         self.heads, self.d_k, self.d_v = cfg.heads, cfg.head_dim_k, cfg.head_dim_v
         self.d_model, self.d_ff = cfg.d_model, cfg.d_ff
         self.width = 2 * self.heads * self.d_k + self.heads * self.d_v  # a fused q/k/v row
-        self.kernels = (compute, attention, norm)
+        self.kernels = (compute, attention, norm, amx)
         eps = model.decoder[0].res_self.norm.eps
         self.eps_bits = native.float_bits(eps)
         self.scale_bits = native.float_bits(self.d_k ** -0.5)
@@ -154,10 +158,9 @@ def plan_for(model: Transformer) -> NativePlan | None:
 
 def takes(model: Transformer) -> bool:
     """Whether the native step is wanted and can run `model`'s decoder here (the C library
-    aside): post-norm, in inference mode, fp32, every decoder linear an `MklLinear` with a
-    bias, LayerNorms of one eps with weights and biases, attention heads' and model widths
-    the kernels take; the MKL functions and the attention and add + LayerNorm kernels
-    there."""
+    aside): post-norm, in inference mode, every decoder linear an `MklLinear` or an
+    `AmxInt8Linear`, LayerNorms of one eps with fp32 weights and biases, a model width the
+    kernels take; the attention and add + LayerNorm kernels there."""
     if switch("NMT_NATIVE_STEP") == "0" or model.training or model.config.pre_norm:
         return False
     if model.dec_norm is not None or not 0 < model.config.d_model <= add_norm.MAX_D:
@@ -165,17 +168,18 @@ def takes(model: Transformer) -> bool:
     eps = {norm.eps for layer in model.decoder for norm in _norms(layer)}
     if len(eps) != 1 or not all(_fits(layer) for layer in model.decoder):
         return False
-    return (mkl_linear.mkl() is not None and fused_attention.enabled()
-            and add_norm.enabled())
+    return fused_attention.enabled() and add_norm.enabled()
 
 
 def _plan(model: Transformer, lib: ctypes.CDLL) -> NativePlan:
     """The plan over `lib` (the checks of `takes` passed)."""
-    functions = mkl_linear.mkl()
+    functions = mkl_linear.mkl()  # not None where an MklLinear was made
+    amx = amx_linear.KERNEL.library()  # not None where an AmxInt8Linear was made
     attention, norm = fused_attention.KERNEL.library(), add_norm.KERNEL.library()
-    assert functions is not None and attention is not None and norm is not None
-    return NativePlan(model, lib, functions.compute_address,
-                      _address(attention.nmt_attention), _address(norm.nmt_add_norm))
+    assert attention is not None and norm is not None
+    return NativePlan(model, lib, 0 if functions is None else functions.compute_address,
+                      _address(attention.nmt_attention), _address(norm.nmt_add_norm),
+                      0 if amx is None else _address(amx.nmt_amx_linear))
 
 
 def _address(function: ctypes._CFuncPtr) -> int:
@@ -193,9 +197,8 @@ def _norms(layer: DecoderLayer) -> tuple:
 
 
 def _fits(layer: DecoderLayer) -> bool:
-    """Every linear an `MklLinear` with a bias; every LayerNorm affine in fp32."""
-    if not all(isinstance(linear, MklLinear) and linear.bias is not None
-               for linear in _linears(layer)):
+    """Every linear an `MklLinear` or an `AmxInt8Linear`; every LayerNorm affine in fp32."""
+    if not all(isinstance(linear, MklLinear | AmxInt8Linear) for linear in _linears(layer)):
         return False
     return all(norm.weight is not None and norm.bias is not None
                and norm.weight.dtype == torch.float32 and norm.bias.dtype == torch.float32
@@ -204,15 +207,25 @@ def _fits(layer: DecoderLayer) -> bool:
 
 
 def _layer_addresses(layer: DecoderLayer) -> list[int]:
-    """The layer's weight addresses in the C source's order (L_WQKV .. L_N3B)."""
+    """The layer's weights in the C source's order (L_QKV .. L_N3B): each linear's kind,
+    packed weight, bias and int8 scales (0 where absent), each LayerNorm's weight and
+    bias."""
     qkv, out, q, out2, fc1, fc2 = _linears(layer)
     n1, n2, n3 = _norms(layer)
     addresses = []
     for linears, norm in (((qkv, out), n1), ((q, out2), n2), ((fc1, fc2), n3)):
         for linear in linears:
-            addresses += [linear.address, linear.bias.data_ptr()]
+            addresses += _linear_entry(linear)
         addresses += [norm.weight.data_ptr(), norm.bias.data_ptr()]
     return addresses
+
+
+def _linear_entry(linear: MklLinear | AmxInt8Linear) -> list[int]:
+    """A linear's block (LIN_KIND .. LIN_SCALE of the C source)."""
+    bias = 0 if linear.bias is None else linear.bias.data_ptr()
+    if isinstance(linear, MklLinear):
+        return [KIND_MKL, linear.address, bias, 0]
+    return [KIND_AMX_I8, linear.packed.data_ptr(), bias, linear.scale.data_ptr()]
 
 
 def _layout_fits(state: StepState, plan: NativePlan) -> bool:
@@ -271,14 +284,21 @@ def _agrees(lib: ctypes.CDLL) -> bool:
     mask, a padded source, the second and third sentences fed; features to float
     rounding, and this position's keys and values written where they belong."""
     from nmt.config import model_preset
+    from nmt.inference.int8_linear import quantize_weight
     from nmt.inference.packed_linear import swap_linears
 
-    if mkl_linear.mkl() is None or not (fused_attention.enabled() and add_norm.enabled()):
+    if not (fused_attention.enabled() and add_norm.enabled()):
+        return False
+    # MKL's linears where there are any (bit-identical ones: a tight tolerance), else the
+    # int8 kernel's (a quantized activation may round the other way: a loose one)
+    exact = mkl_linear.mkl() is not None
+    if not (exact or amx_linear.int8_available()):
         return False
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = Transformer(model_preset("tiny", vocab_size=40)).eval()
-        swap_linears(model, MklLinear)
+        swap_linears(model, MklLinear if exact else
+                     lambda w, b: AmxInt8Linear(*quantize_weight(w), b))
         cfg, groups, g, position = model.config, 3, 2, 3
         heads, d_k, d_v = cfg.heads, cfg.head_dim_k, cfg.head_dim_v
         keys = [torch.randn(groups, heads, 8, g, d_k) for _ in model.decoder]
@@ -297,11 +317,12 @@ def _agrees(lib: ctypes.CDLL) -> bool:
     positions = model.dec_positions(1, offset=position)
     got = _plan(model, lib).stepper().step(tokens, state, positions, torch.arange(2, 6))
     want = _reference(model, tokens, positions, state, keys, values, mask)
-    written = all(torch.allclose(a[1:, :, position], b[1:, :, position], rtol=1e-4, atol=1e-5)
+    tol = 1e-4 if exact else 3e-2
+    written = all(torch.allclose(a[1:, :, position], b[1:, :, position], rtol=tol, atol=tol)
                   and torch.equal(a[0], b[0])  # the sentence not fed: untouched
                   for a, b in zip(state.self_k + state.self_v, keys + values, strict=True))
     return (got is not None and written and state.position == position + 1
-            and torch.allclose(got, want, rtol=1e-4, atol=1e-5))
+            and torch.allclose(got, want, rtol=tol, atol=tol / 10))
 
 
 def _reference(model: Transformer, tokens: Tensor, positions: Tensor, state: _CheckState,

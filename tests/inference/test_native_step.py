@@ -1,7 +1,8 @@
 """The native decoder step (nmt/inference/native_step.py): the PyTorch layers' step bit for
-bit (every step's logits, whole beam searches, the rows-fed and regrouped paths, cache
-growth, several threads, odd head sizes), what it leaves to PyTorch, and a trained model
-translating byte-identically with and without it."""
+bit, on MKL's fp32 linears and on the AMX int8 kernel's (every step's logits, whole beam
+searches, the rows-fed and regrouped paths, cache growth, several threads, odd head sizes),
+what it leaves to PyTorch, and a trained model translating byte-identically with and
+without it."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import torch
 from conftest import torch_threads
 from helpers.models import make_model, random_batch
 
-from nmt.inference import mkl_linear, native_step
+from nmt.inference import amx_linear, mkl_linear, native_step
+from nmt.inference.amx_linear import AmxInt8Linear
 from nmt.inference.decoding import DecodingWorkspace, decode_step
+from nmt.inference.int8_linear import make_int8_linear
 from nmt.inference.mkl_linear import MklLinear
 from nmt.inference.native_step import NativeStep, plan_for, takes
 from nmt.inference.packed_linear import PackedLinear, swap_linears
@@ -26,10 +29,15 @@ needs_native = pytest.mark.skipif(
     not (mkl_linear.works() and native_step.KERNEL.enabled()),
     reason="no MKL packed sgemm in this torch, or no C compiler: the native step cannot run")
 
+needs_amx_int8 = pytest.mark.skipif(
+    not (amx_linear.int8_available() and native_step.KERNEL.enabled()),
+    reason="no AMX-INT8 kernel here (no AMX, kernels capped below it, or no C compiler): "
+           "int8 layers are torch's, which the native step does not take")
+
 SHAPES = {  # name -> make_model overrides
     "tiny": {},  # d_k = d_v = 16: the attention kernel's plain loops
     "d64": {"d_model": 128, "heads": 2},  # d_k = d_v = 64: its vector path
-    "dk_ne_dv": {"d_k": 8, "d_v": 24},
+    "dk_ne_dv": {"d_k": 8, "d_v": 16},
 }
 
 
@@ -39,6 +47,19 @@ def mkl_model(seed: int = 0, **overrides: object) -> Transformer:
     model = make_model(seed, **overrides)
     swap_linears(model, MklLinear)
     return model
+
+
+def int8_model(seed: int = 0, **overrides: object) -> Transformer:
+    """The same with every linear on the AMX int8 kernel (the translator's int8 layers on a
+    CPU with AMX-INT8)."""
+    model = make_model(seed, **overrides)
+    swap_linears(model, make_int8_linear)
+    assert isinstance(model.decoder[0].ffn.fc2, AmxInt8Linear)
+    return model
+
+
+MAKERS = [pytest.param(mkl_model, id="fp32"),
+          pytest.param(int8_model, id="int8", marks=needs_amx_int8)]
 
 
 def workspaces(model: Transformer) -> tuple[DecodingWorkspace, DecodingWorkspace]:
@@ -63,15 +84,16 @@ def as_tuples(hyps: list) -> list:
 
 
 @needs_native
+@pytest.mark.parametrize("make", MAKERS)
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_every_steps_logits_are_the_pytorch_steps(shape: str,
+def test_every_steps_logits_are_the_pytorch_steps(shape: str, make: object,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Step by step through one decoder's life: the first step (one row a sentence),
     the expansion to beams, steps on every row, on whole sentences only (the fed entries),
     a reorder into one row per group; then rows that are not whole sentences, which the
     PyTorch layers take. Logits equal bit for bit, and the native step ran where it
     should."""
-    model = mkl_model(**SHAPES[shape])
+    model = make(**SHAPES[shape])
     native, plain = workspaces(model)
     ran: list[bool] = []
     real_step = NativeStep.step
@@ -113,14 +135,15 @@ def test_every_steps_logits_are_the_pytorch_steps(shape: str,
 
 
 @needs_native
+@pytest.mark.parametrize("make", MAKERS)
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("beam", [1, 4])
 def test_searches_find_the_same_hypotheses_with_the_same_scores(
-        shape: str, beam: int) -> None:
+        shape: str, beam: int, make: object) -> None:
     """Whole searches over a batch whose sentences finish at different steps (the fed
     entries shrink; the caches compact), forced past the caches' first capacity (16
     positions: they grow): the same hypotheses and scores, to the last bit."""
-    model = mkl_model(seed=1, **SHAPES[shape])
+    model = make(seed=1, **SHAPES[shape])
     native, plain = workspaces(model)
     src = random_batch([9, 2, 6, 4, 11], seed=4)
     for min_len, max_b in ((1, 5), (20, 24)):
@@ -131,10 +154,11 @@ def test_searches_find_the_same_hypotheses_with_the_same_scores(
 
 
 @needs_native
-def test_two_threads_give_the_one_thread_result() -> None:
-    """With two torch threads (the attention split by sentence, MKL's threads) the native
-    step and the PyTorch layers still agree bit for bit."""
-    model = mkl_model(seed=2, d_model=128, heads=2)
+@pytest.mark.parametrize("make", MAKERS)
+def test_two_threads_give_the_one_thread_result(make: object) -> None:
+    """With two torch threads (the attention split by sentence, the linears' threads) the
+    native step and the PyTorch layers still agree bit for bit."""
+    model = make(seed=2, d_model=128, heads=2)
     native, plain = workspaces(model)
     src = random_batch([5, 8, 3, 6, 7, 4, 9, 2], seed=5)
     with torch_threads(2):
@@ -181,11 +205,13 @@ def test_what_it_leaves_to_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @needs_native
 @pytest.mark.slow
-def test_a_trained_model_translates_byte_identically(multi30k_model: Path,
+@pytest.mark.parametrize("precision", [pytest.param("fp32"),
+                                       pytest.param("int8", marks=needs_amx_int8)])
+def test_a_trained_model_translates_byte_identically(multi30k_model: Path, precision: str,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """`Translator` on a model trained on Multi30k, fp32, test2016's first 60 lines: the
-    same output with the native step as with NMT_NATIVE_STEP=0, whole batches and one
-    line at a time."""
+    """`Translator` on a model trained on Multi30k, test2016's first 60 lines: the same
+    output with the native step as with NMT_NATIVE_STEP=0, whole batches and one line at
+    a time."""
     from conftest import shared_data_path
 
     from nmt.api import Translator
@@ -196,7 +222,8 @@ def test_a_trained_model_translates_byte_identically(multi30k_model: Path,
     outputs = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("NMT_NATIVE_STEP", flag)
-        translator = Translator.load(multi30k_model, precision="fp32", threads=1, quiet=True)
+        translator = Translator.load(multi30k_model, precision=precision, threads=1,
+                                     quiet=True)
         try:
             workspace = translator._engine.workspaces[0]
             assert (workspace.native is not None) == (flag == "1")
