@@ -1,5 +1,5 @@
-/* One incremental decoder step's layer stack on a CPU in one call: fp32 activations,
- * post-norm.
+/* One incremental decoder step's layer stack on a CPU in one call: post-norm, float32 or
+ * bfloat16 activations.
  *
  * A decoder step in eager PyTorch is about 240 dispatched ops for three layers (views,
  * transposes, splits, the cache writes, the checks around the C kernels); at a beam of one
@@ -7,9 +7,10 @@
  * same arithmetic from one call: each linear on the kernel its layer uses (fp32: MKL's
  * packed sgemm on the weights nmt/inference/mkl_linear.py packed, through the
  * `cblas_sgemm_compute` torch's library exports, each output row starting as the bias,
- * beta = 1; int8: the AMX kernel of nmt/inference/amx_linear.c on its packed int8 weights,
- * activations quantized per row inside it), the attention and the add + LayerNorm through
- * nmt's own kernels (fused_attention.c, add_norm.c), all called by address. Same functions, same order, same rounding: the features are bit-identical to
+ * beta = 1; int8 and bf16: the AMX kernel of nmt/inference/amx_linear.c on its packed
+ * weights, int8 activations quantized per row inside it), the attention and the
+ * add + LayerNorm through nmt's own kernels (fused_attention.c, add_norm.c), all called by
+ * address. Activations are float32 (MKL, int8 layers) or bfloat16 (bf16 layers), P_BF16. Same functions, same order, same rounding: the features are bit-identical to
  * the PyTorch path's (nmt/inference/native_step.py checks it once per process).
  *
  * Shapes: m rows fed, g rows per group (a sentence's beam), e = m / g groups fed, group i
@@ -29,7 +30,8 @@ typedef int (*kernel_t)(const int64_t *);
  * are addresses; strides in elements; eps and scale are float32 bit patterns. */
 enum {
     P_COMPUTE, P_ATTENTION, P_ADD_NORM, /* cblas_sgemm_compute, nmt_attention, nmt_add_norm */
-    P_AMX,                              /* nmt_amx_linear, or 0 where no layer is int8 */
+    P_AMX,                              /* nmt_amx_linear, or 0 where no layer uses it */
+    P_BF16, P_W_BF16,                   /* activations, LayerNorm weights: 1 = bfloat16 */
     P_ROWS, P_G, P_ENTRIES, P_FED,      /* m, g, (e,) int64 or 0, e */
     P_HEADS, P_DK, P_DV, P_D, P_F, P_S, P_POS, P_EPS, P_SCALE, P_THREADS,
     P_SMASK, P_SM_E, P_SM_G, P_SM_L,    /* slot mask (groups, 1, g, L) additive, or 0 */
@@ -46,8 +48,8 @@ enum {
 /* Per layer: its linears (each LIN_COUNT entries: kind, packed weight, bias or 0, int8
  * weight scales or 0), LayerNorm weights and biases, and the layer's caches. */
 enum { LIN_KIND, LIN_W, LIN_B, LIN_SCALE, LIN_COUNT };
-enum { KIND_MKL = 0, KIND_AMX_I8 = 1 };
-enum { AMX_LINEAR_I8 = 5 }; /* OP_LINEAR_I8 of amx_linear.c */
+enum { KIND_MKL = 0, KIND_AMX_I8 = 1, KIND_AMX_BF16 = 2 };
+enum { AMX_LINEAR = 2, AMX_LINEAR_I8 = 5 }; /* OP_LINEAR, OP_LINEAR_I8 of amx_linear.c */
 enum {
     L_QKV = 0, L_O = L_QKV + LIN_COUNT, L_N1W = L_O + LIN_COUNT, L_N1B,
     L_Q, L_O2 = L_Q + LIN_COUNT, L_N2W = L_O2 + LIN_COUNT, L_N2B,
@@ -60,38 +62,40 @@ int64_t nmt_decoder_step_params(void) { return P_COUNT; }
 
 int64_t nmt_decoder_step_layer_params(void) { return L_COUNT; }
 
-/* out (m, n) = x (m, k) W^T + b by the layer's kernel (`lin`: LIN_COUNT entries).
- * Returns 0, or -1 when the int8 kernel failed. */
-static int linear(const int64_t *p, const float *x, int64_t m, int64_t k, const int64_t *lin,
-                  int64_t n, float *out) {
-    if (lin[LIN_KIND] == KIND_AMX_I8) {
-        const int64_t a[12] = {AMX_LINEAR_I8, (int64_t)x, m, k, k, lin[LIN_W], n, lin[LIN_B],
+/* out (m, n) = x (m, k) W^T + b by the layer's kernel (`lin`: LIN_COUNT entries), in the
+ * activations' type. Returns 0, or -1 when the AMX kernel failed. */
+static int linear(const int64_t *p, const void *x, int64_t m, int64_t k, const int64_t *lin,
+                  int64_t n, void *out) {
+    if (lin[LIN_KIND] != KIND_MKL) {
+        const int64_t op = lin[LIN_KIND] == KIND_AMX_I8 ? AMX_LINEAR_I8 : AMX_LINEAR;
+        const int64_t a[12] = {op, (int64_t)x, m, k, k, lin[LIN_W], n, lin[LIN_B],
                                (int64_t)out, n, p[P_THREADS], lin[LIN_SCALE]};
         return ((kernel_t)p[P_AMX])(a) ? -1 : 0;
     }
     const float *bias = (const float *)lin[LIN_B];
+    float *y = (float *)out;
     if (bias)
-        for (int64_t r = 0; r < m; r++) memcpy(out + r * n, bias, sizeof(float) * n);
-    ((sgemm_compute_t)p[P_COMPUTE])(101, 111, 151, (int)m, (int)n, (int)k, x, (int)k,
-                                    (const float *)lin[LIN_W], (int)k, bias ? 1.0f : 0.0f,
-                                    out, (int)n);
+        for (int64_t r = 0; r < m; r++) memcpy(y + r * n, bias, sizeof(float) * n);
+    ((sgemm_compute_t)p[P_COMPUTE])(101, 111, 151, (int)m, (int)n, (int)k, (const float *)x,
+                                    (int)k, (const float *)lin[LIN_W], (int)k,
+                                    bias ? 1.0f : 0.0f, y, (int)n);
     return 0;
 }
 
-/* s = LayerNorm(x + s) * w + b over rows of d (nmt_add_norm, float32). */
-static int add_norm(const int64_t *p, const float *x, float *s, int64_t w, int64_t b) {
+/* s = LayerNorm(x + s) * w + b over rows of d (nmt_add_norm). */
+static int add_norm(const int64_t *p, const void *x, void *s, int64_t w, int64_t b) {
     const int64_t m = p[P_ROWS], d = p[P_D];
-    const int64_t q[14] = {(int64_t)x, (int64_t)s, (int64_t)s, w, b, m, d, d, d, d, 0, 0,
-                           p[P_EPS], p[P_THREADS]};
+    const int64_t q[14] = {(int64_t)x, (int64_t)s, (int64_t)s, w, b, m, d, d, d, d,
+                           p[P_BF16], p[P_W_BF16], p[P_EPS], p[P_THREADS]};
     return ((kernel_t)p[P_ADD_NORM])(q);
 }
 
 /* out (m, h d_v) = attention of the queries q (row stride q_g) of the fed groups against
  * keys/values (strides in elements), mask (or 0), over L positions (nmt_attention). */
-static int attention(const int64_t *p, const float *q, int64_t q_g, const float *k,
-                     int64_t k_e, int64_t k_h, int64_t k_l, const float *v, int64_t v_e,
+static int attention(const int64_t *p, const void *q, int64_t q_g, const void *k,
+                     int64_t k_e, int64_t k_h, int64_t k_l, const void *v, int64_t v_e,
                      int64_t v_h, int64_t v_l, int64_t mask, int64_t m_e, int64_t m_g,
-                     int64_t m_l, int64_t L, float *out) {
+                     int64_t m_l, int64_t L, void *out) {
     const int64_t g = p[P_G], H = p[P_HEADS], dk = p[P_DK], dv = p[P_DV];
     const int64_t a[30] = {
         (int64_t)q, (int64_t)k, (int64_t)v, mask, (int64_t)out,
@@ -100,33 +104,45 @@ static int attention(const int64_t *p, const float *q, int64_t q_g, const float 
         k_e, k_h, k_l, v_e, v_h, v_l,
         m_e, m_g, m_l,
         g * H * dv, dv, H * dv,           /* out (e, h, g, d_v) in (m, h d_v) rows */
-        0, p[P_THREADS], p[P_SCALE], p[P_ENTRIES]};
+        p[P_BF16], p[P_THREADS], p[P_SCALE], p[P_ENTRIES]};
     return ((kernel_t)p[P_ATTENTION])(a);
 }
 
+/* max(x, 0) over n values of the activations' type, in place. */
+static void relu(void *x, int64_t n, int bf16) {
+    if (bf16) {
+        uint16_t *h = (uint16_t *)x; /* a negative bfloat16 has its sign bit set */
+        for (int64_t i = 0; i < n; i++) h[i] = (h[i] & 0x8000) ? 0 : h[i];
+    } else {
+        float *f = (float *)x;
+        for (int64_t i = 0; i < n; i++) f[i] = f[i] > 0.0f ? f[i] : 0.0f;
+    }
+}
+
 /* Run the step. Returns 0 when the output (m, d) is in P_X's buffer, 1 when in P_O's,
- * -1 when a kernel failed (no memory for the attention's scratch, the int8 kernel). */
+ * -1 when a kernel failed (no memory for the attention's scratch, an AMX kernel). */
 int nmt_decoder_step(const int64_t *p) {
     const int64_t m = p[P_ROWS], g = p[P_G], H = p[P_HEADS], dk = p[P_DK], dv = p[P_DV];
     const int64_t D = p[P_D], F = p[P_F], pos = p[P_POS];
     const int64_t W = 2 * H * dk + H * dv; /* a fused q/k/v row */
+    const int64_t es = p[P_BF16] ? 2 : 4;  /* bytes an activation */
     const int64_t *entries = (const int64_t *)p[P_ENTRIES];
-    float *x = (float *)p[P_X], *o = (float *)p[P_O];
-    float *qkv = (float *)p[P_QKV], *ctx = (float *)p[P_CTX], *hid = (float *)p[P_HID];
+    char *x = (char *)p[P_X], *o = (char *)p[P_O], *t;
+    char *qkv = (char *)p[P_QKV], *ctx = (char *)p[P_CTX], *hid = (char *)p[P_HID];
     for (int64_t l = 0; l < p[P_LAYERS]; l++) {
         const int64_t *w = p + P_COUNT + l * L_COUNT;
-        float *sk = (float *)w[L_SK], *sv = (float *)w[L_SV], *t;
+        char *sk = (char *)w[L_SK], *sv = (char *)w[L_SV];
 
         /* self-attention: project, store this position's key/value in each row's slot */
         if (linear(p, x, m, D, w + L_QKV, W, qkv)) return -1;
         for (int64_t r = 0; r < m; r++) {
             const int64_t b = entries ? entries[r / g] : r / g, s = r % g;
-            const float *row = qkv + r * W;
+            const char *row = qkv + r * W * es;
             for (int64_t h = 0; h < H; h++) {
-                memcpy(sk + b * p[P_SK_E] + h * p[P_SK_H] + pos * p[P_SK_P] + s * p[P_SK_S],
-                       row + H * dk + h * dk, sizeof(float) * dk);
-                memcpy(sv + b * p[P_SV_E] + h * p[P_SV_H] + pos * p[P_SV_P] + s * p[P_SV_S],
-                       row + 2 * H * dk + h * dv, sizeof(float) * dv);
+                memcpy(sk + (b * p[P_SK_E] + h * p[P_SK_H] + pos * p[P_SK_P] + s * p[P_SK_S]) * es,
+                       row + (H * dk + h * dk) * es, es * dk);
+                memcpy(sv + (b * p[P_SV_E] + h * p[P_SV_H] + pos * p[P_SV_P] + s * p[P_SV_S]) * es,
+                       row + (2 * H * dk + h * dv) * es, es * dv);
             }
         }
         /* the history: positions 0..pos of every slot, key l = position * g + slot */
@@ -139,8 +155,8 @@ int nmt_decoder_step(const int64_t *p) {
 
         /* encoder-decoder attention */
         if (linear(p, x, m, D, w + L_Q, H * dk, qkv)) return -1;
-        if (attention(p, qkv, H * dk, (const float *)w[L_CK], p[P_CK_E], p[P_CK_H],
-                      p[P_CK_L], (const float *)w[L_CV], p[P_CV_E], p[P_CV_H], p[P_CV_L],
+        if (attention(p, qkv, H * dk, (const void *)w[L_CK], p[P_CK_E], p[P_CK_H],
+                      p[P_CK_L], (const void *)w[L_CV], p[P_CV_E], p[P_CV_H], p[P_CV_L],
                       p[P_CMASK], p[P_CM_E], 0, p[P_CM_L], p[P_S], ctx)) return -1;
         if (linear(p, ctx, m, H * dv, w + L_O2, D, o)) return -1;
         if (add_norm(p, x, o, w[L_N2W], w[L_N2B])) return -1;
@@ -148,10 +164,10 @@ int nmt_decoder_step(const int64_t *p) {
 
         /* feed-forward */
         if (linear(p, x, m, D, w + L_FC1, F, hid)) return -1;
-        for (int64_t i = 0; i < m * F; i++) hid[i] = hid[i] > 0.0f ? hid[i] : 0.0f;
+        relu(hid, m * F, (int)p[P_BF16]);
         if (linear(p, hid, m, F, w + L_FC2, D, o)) return -1;
         if (add_norm(p, x, o, w[L_N3W], w[L_N3B])) return -1;
         t = x, x = o, o = t;
     }
-    return x == (float *)p[P_X] ? 0 : 1;
+    return x == (char *)p[P_X] ? 0 : 1;
 }

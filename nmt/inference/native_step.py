@@ -1,14 +1,14 @@
-"""The CPU decoder step's layer stack as one C call (native_step.c): fp32 and int8 linears.
+"""The CPU decoder step's layer stack as one C call (native_step.c): fp32, int8 and bf16.
 
 Why: one sentence at a time, a step of beam search on a CPU spends more time dispatching
 about 240 small PyTorch ops than in its matrix products (docs/performance.md); the C step
 runs the same kernels (MKL's packed sgemm, nmt's attention and add + LayerNorm) from one
 call, with the same results bit for bit.
 
-What takes it: a post-norm model with fp32 activations whose decoder linears are
-`MklLinear` (the translator's fp32 path on an Intel CPU, nmt/inference/mkl_linear.py) or
-`AmxInt8Linear` (its int8 path on a CPU with AMX-INT8, nmt/inference/amx_linear.py), in any
-mix, decoding with the
+What takes it: a post-norm model whose decoder linears are `MklLinear` (the translator's
+fp32 path on an Intel CPU, nmt/inference/mkl_linear.py) or `AmxInt8Linear` (its int8 path
+on a CPU with AMX-INT8), with float32 activations, or all `AmxLinear` (its bf16 path on a
+CPU with AMX-BF16, nmt/inference/amx_linear.py), bfloat16 throughout; decoding with the
 grouped cache (nmt/inference/kv_cache.py) on rows that are whole groups, without the
 attention weights; the three kernels built and checked. Anything else returns None from
 `NativeStep.step`, and decode_step (nmt/inference/decoding.py) runs the PyTorch layers.
@@ -31,7 +31,7 @@ from torch import Tensor
 
 import nmt.native as native
 from nmt.inference import amx_linear, mkl_linear
-from nmt.inference.amx_linear import AmxInt8Linear
+from nmt.inference.amx_linear import AmxInt8Linear, AmxLinear
 from nmt.inference.mkl_linear import MklLinear
 from nmt.model import add_norm, fused_attention
 from nmt.model.layers import DecoderLayer
@@ -39,9 +39,11 @@ from nmt.model.transformer import Transformer
 from nmt.switches import switch
 
 SOURCE = Path(__file__).with_suffix(".c")
-PARAMS = 45  # the header's length: P_COUNT of the C source
+PARAMS = 47  # the header's length: P_COUNT of the C source
 LAYER_PARAMS = 34  # one layer's block: L_COUNT of the C source
-KIND_MKL, KIND_AMX_I8 = 0, 1  # a linear's kernel, as the C source numbers them
+KIND_MKL, KIND_AMX_I8, KIND_AMX_BF16 = 0, 1, 2  # a linear's kernel, as the C source has them
+FLOAT32_LINEARS = (MklLinear, AmxInt8Linear)  # float32 in and out
+BF16_LINEARS = (AmxLinear,)  # bfloat16 in and out
 
 
 class StepState(Protocol):
@@ -75,7 +77,10 @@ class NativePlan:
         self.heads, self.d_k, self.d_v = cfg.heads, cfg.head_dim_k, cfg.head_dim_v
         self.d_model, self.d_ff = cfg.d_model, cfg.d_ff
         self.width = 2 * self.heads * self.d_k + self.heads * self.d_v  # a fused q/k/v row
-        self.kernels = (compute, attention, norm, amx)
+        self.dtype = _activations(model.decoder[0])
+        norm_dtype = model.decoder[0].res_self.norm.weight.dtype
+        self.kernels = (compute, attention, norm, amx, int(self.dtype == torch.bfloat16),
+                        int(norm_dtype == torch.bfloat16))
         eps = model.decoder[0].res_self.norm.eps
         self.eps_bits = native.float_bits(eps)
         self.scale_bits = native.float_bits(self.d_k ** -0.5)
@@ -111,13 +116,16 @@ class NativeStep:
         mask, entries = state.open_step(live)
         x0 = plan.model.embed_tokens(tokens[:, None], positions)  # (m, 1, d_model)
         d, per_row = plan.d_model, 2 * plan.d_model + plan.width + plan.heads * plan.d_v
-        if self._scratch.numel() < m * (per_row + plan.d_ff):
-            self._scratch = torch.empty(m * (per_row + plan.d_ff))
+        if (self._scratch.numel() < m * (per_row + plan.d_ff)
+                or self._scratch.dtype != plan.dtype):
+            self._scratch = torch.empty(m * (per_row + plan.d_ff), dtype=plan.dtype)
         scratch = self._scratch
         x = scratch[: m * d].view(m, d)
         x.copy_(x0.view(m, d))
         o = scratch[m * d: 2 * m * d].view(m, d)
-        qkv_at, ctx_at, hid_at = 2 * m * d, 2 * m * d + m * plan.width, m * per_row
+        size = scratch.element_size()  # the C step's offsets below are in bytes
+        qkv_at, ctx_at, hid_at = (size * 2 * m * d, size * (2 * m * d + m * plan.width),
+                                  size * m * per_row)
         fed = m // g
         keys0, values0 = state.self_k[0], state.self_v[0]  # (groups, heads, cap, g, d)
         cross_k, cross_v = state.cross_k[0], state.cross_v[0]  # (groups, heads, d_k, S), V
@@ -132,8 +140,8 @@ class NativeStep:
             *keys0.stride()[:4], *values0.stride()[:4],
             cross_k.stride(0), cross_k.stride(1), cross_k.stride(3),
             *cross_v.stride()[:3],
-            x.data_ptr(), o.data_ptr(), scratch.data_ptr() + 4 * qkv_at,
-            scratch.data_ptr() + 4 * ctx_at, scratch.data_ptr() + 4 * hid_at,
+            x.data_ptr(), o.data_ptr(), scratch.data_ptr() + qkv_at,
+            scratch.data_ptr() + ctx_at, scratch.data_ptr() + hid_at,
             len(plan.layers)))
         for weights, keys, values, k_t, v in zip(plan.layers, state.self_k, state.self_v,
                                                  state.cross_k, state.cross_v, strict=True):
@@ -159,14 +167,20 @@ def plan_for(model: Transformer) -> NativePlan | None:
 def takes(model: Transformer) -> bool:
     """Whether the native step is wanted and can run `model`'s decoder here (the C library
     aside): post-norm, in inference mode, every decoder linear an `MklLinear` or an
-    `AmxInt8Linear`, LayerNorms of one eps with fp32 weights and biases, a model width the
-    kernels take; the attention and add + LayerNorm kernels there."""
+    `AmxInt8Linear` (float32 activations) or every one an `AmxLinear` (bfloat16), LayerNorms
+    of one eps and dtype with weights and biases, a model width the kernels take; the
+    attention and add + LayerNorm kernels there."""
     if switch("NMT_NATIVE_STEP") == "0" or model.training or model.config.pre_norm:
         return False
     if model.dec_norm is not None or not 0 < model.config.d_model <= add_norm.MAX_D:
         return False
-    eps = {norm.eps for layer in model.decoder for norm in _norms(layer)}
-    if len(eps) != 1 or not all(_fits(layer) for layer in model.decoder):
+    norms = [norm for layer in model.decoder for norm in _norms(layer)]
+    if len({(norm.eps, norm.weight.dtype if norm.weight is not None else None)
+            for norm in norms}) != 1:
+        return False
+    if not all(_fits(layer) for layer in model.decoder):
+        return False
+    if len({_activations(layer) for layer in model.decoder}) != 1:
         return False
     return fused_attention.enabled() and add_norm.enabled()
 
@@ -197,13 +211,26 @@ def _norms(layer: DecoderLayer) -> tuple:
 
 
 def _fits(layer: DecoderLayer) -> bool:
-    """Every linear an `MklLinear` or an `AmxInt8Linear`; every LayerNorm affine in fp32."""
-    if not all(isinstance(linear, MklLinear | AmxInt8Linear) for linear in _linears(layer)):
+    """Every linear one the C step calls, all with one activation dtype (`_activations`);
+    every LayerNorm affine, its weight and bias of one dtype (float32 or bfloat16)."""
+    if _activations(layer) is None:
         return False
     return all(norm.weight is not None and norm.bias is not None
-               and norm.weight.dtype == torch.float32 and norm.bias.dtype == torch.float32
+               and norm.weight.dtype in (torch.float32, torch.bfloat16)
+               and norm.bias.dtype == norm.weight.dtype
                and norm.weight.is_contiguous() and norm.bias.is_contiguous()
                for norm in _norms(layer))
+
+
+def _activations(layer: DecoderLayer) -> torch.dtype | None:
+    """The dtype a decoder layer's linears take and give: float32 (MKL, int8 on AMX),
+    bfloat16 (bf16 on AMX), or None when they are not all of one of those kinds."""
+    linears = _linears(layer)
+    if all(isinstance(linear, FLOAT32_LINEARS) for linear in linears):
+        return torch.float32
+    if all(isinstance(linear, BF16_LINEARS) for linear in linears):
+        return torch.bfloat16
+    return None
 
 
 def _layer_addresses(layer: DecoderLayer) -> list[int]:
@@ -220,23 +247,25 @@ def _layer_addresses(layer: DecoderLayer) -> list[int]:
     return addresses
 
 
-def _linear_entry(linear: MklLinear | AmxInt8Linear) -> list[int]:
+def _linear_entry(linear: MklLinear | AmxInt8Linear | AmxLinear) -> list[int]:
     """A linear's block (LIN_KIND .. LIN_SCALE of the C source)."""
     bias = 0 if linear.bias is None else linear.bias.data_ptr()
     if isinstance(linear, MklLinear):
         return [KIND_MKL, linear.address, bias, 0]
+    if isinstance(linear, AmxLinear):
+        return [KIND_AMX_BF16, linear.packed.data_ptr(), bias, 0]
     return [KIND_AMX_I8, linear.packed.data_ptr(), bias, linear.scale.data_ptr()]
 
 
 def _layout_fits(state: StepState, plan: NativePlan) -> bool:
-    """Whether the state's tensors are laid out as the C step reads them: fp32 caches,
-    contiguous (groups, heads, capacity, g, d) self-attention buffers, cross keys stored
-    d_k-contiguous (the attention kernel's layout) and values d_v-contiguous, all layers
-    alike; an fp32 additive source mask."""
+    """Whether the state's tensors are laid out as the C step reads them: caches in the
+    activations' dtype, contiguous (groups, heads, capacity, g, d) self-attention buffers,
+    cross keys stored d_k-contiguous (the attention kernel's layout) and values
+    d_v-contiguous, all layers alike; an additive source mask of that dtype."""
     keys0, k_t0 = state.self_k[0], state.cross_k[0]
-    if keys0.dtype != torch.float32 or k_t0.dtype != torch.float32:
+    if keys0.dtype != plan.dtype or k_t0.dtype != plan.dtype:
         return False
-    if state.cross_mask is not None and state.cross_mask.dtype != torch.float32:
+    if state.cross_mask is not None and state.cross_mask.dtype != plan.dtype:
         return False
     if k_t0.stride(2) != 1 or state.cross_v[0].stride(3) != 1:
         return False

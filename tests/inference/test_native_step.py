@@ -1,8 +1,8 @@
 """The native decoder step (nmt/inference/native_step.py): the PyTorch layers' step bit for
-bit, on MKL's fp32 linears and on the AMX int8 kernel's (every step's logits, whole beam
-searches, the rows-fed and regrouped paths, cache growth, several threads, odd head sizes),
-what it leaves to PyTorch, and a trained model translating byte-identically with and
-without it."""
+bit, on MKL's fp32 linears and on the AMX kernels' int8 and bf16 ones (every step's logits,
+whole beam searches, the rows-fed and regrouped paths, cache growth, several threads, odd
+head sizes), what it leaves to PyTorch, and a trained model translating byte-identically
+with and without it."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from conftest import torch_threads
 from helpers.models import make_model, random_batch
 
 from nmt.inference import amx_linear, mkl_linear, native_step
-from nmt.inference.amx_linear import AmxInt8Linear
+from nmt.inference.amx_linear import AmxInt8Linear, AmxLinear
 from nmt.inference.decoding import DecodingWorkspace, decode_step
 from nmt.inference.int8_linear import make_int8_linear
 from nmt.inference.mkl_linear import MklLinear
@@ -33,6 +33,11 @@ needs_amx_int8 = pytest.mark.skipif(
     not (amx_linear.int8_available() and native_step.KERNEL.enabled()),
     reason="no AMX-INT8 kernel here (no AMX, kernels capped below it, or no C compiler): "
            "int8 layers are torch's, which the native step does not take")
+
+needs_amx_bf16 = pytest.mark.skipif(
+    not (amx_linear.available() and native_step.KERNEL.enabled()),
+    reason="no AMX-BF16 kernel here (no AMX, kernels capped below it, or no C compiler): "
+           "bf16 layers are oneDNN's, which the native step does not take")
 
 SHAPES = {  # name -> make_model overrides
     "tiny": {},  # d_k = d_v = 16: the attention kernel's plain loops
@@ -58,8 +63,17 @@ def int8_model(seed: int = 0, **overrides: object) -> Transformer:
     return model
 
 
+def bf16_model(seed: int = 0, **overrides: object) -> Transformer:
+    """The same in bf16 with every linear on the AMX bf16 kernel (the translator's bf16
+    layers on a CPU with AMX-BF16)."""
+    model = make_model(seed, **overrides).to(torch.bfloat16)
+    swap_linears(model, AmxLinear)
+    return model
+
+
 MAKERS = [pytest.param(mkl_model, id="fp32"),
-          pytest.param(int8_model, id="int8", marks=needs_amx_int8)]
+          pytest.param(int8_model, id="int8", marks=needs_amx_int8),
+          pytest.param(bf16_model, id="bf16", marks=needs_amx_bf16)]
 
 
 def workspaces(model: Transformer) -> tuple[DecodingWorkspace, DecodingWorkspace]:
@@ -206,7 +220,8 @@ def test_what_it_leaves_to_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
 @needs_native
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", [pytest.param("fp32"),
-                                       pytest.param("int8", marks=needs_amx_int8)])
+                                       pytest.param("int8", marks=needs_amx_int8),
+                                       pytest.param("bf16", marks=needs_amx_bf16)])
 def test_a_trained_model_translates_byte_identically(multi30k_model: Path, precision: str,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """`Translator` on a model trained on Multi30k, test2016's first 60 lines: the same
