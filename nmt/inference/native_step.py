@@ -85,9 +85,14 @@ class NativePlan:
         self.eps_bits = native.float_bits(eps)
         self.scale_bits = native.float_bits(self.d_k ** -0.5)
         self.layers = [_layer_addresses(layer) for layer in model.decoder]
+        self._made_from = _what_it_reads(model)  # holds the layers: their memory stays
 
-    def stepper(self) -> NativeStep:
-        """A step runner with scratch memory of its own (one per decoder)."""
+    def stepper(self) -> NativeStep | None:
+        """A step runner with scratch memory of its own (one per decoder); None when the
+        model's decoder is no longer what the plan read (a layer swapped, a parameter moved
+        by `.to()`): then the PyTorch layers decode, never stale addresses."""
+        if _what_it_reads(self.model) != self._made_from:
+            return None
         return NativeStep(self)
 
 
@@ -245,6 +250,18 @@ def _layer_addresses(layer: DecoderLayer) -> list[int]:
             addresses += _linear_entry(linear)
         addresses += [norm.weight.data_ptr(), norm.bias.data_ptr()]
     return addresses
+
+
+def _what_it_reads(model: Transformer) -> list[object]:
+    """The modules and addresses a plan reads, to compare: each decoder layer's linears
+    (the objects: their packed weights never move) and its LayerNorms' parameter
+    addresses."""
+    found: list[object] = []
+    for layer in model.decoder:
+        found += _linears(layer)
+        found += [t.data_ptr() for norm in _norms(layer) for t in (norm.weight, norm.bias)
+                  if t is not None]
+    return found
 
 
 def _linear_entry(linear: MklLinear | AmxInt8Linear | AmxLinear) -> list[int]:

@@ -248,3 +248,27 @@ def test_a_trained_model_translates_byte_identically(multi30k_model: Path, preci
             translator.close()
     assert outputs["1"] == outputs["0"]
     assert sum(bool(line) for line in outputs["1"][0]) == 60
+
+
+@needs_native
+def test_a_changed_model_gets_no_stepper() -> None:
+    """A plan reads addresses once: after a decoder linear is swapped or the LayerNorms'
+    parameters are moved (`.to()`), its workspace's decoders step through the PyTorch
+    layers instead of stale memory."""
+    model = mkl_model()
+    plan = plan_for(model)
+    assert plan is not None and plan.stepper() is not None
+    fc1 = model.decoder[1].ffn.fc1
+    model.decoder[1].ffn.fc1 = MklLinear(torch.randn(fc1.out_features, fc1.in_features),
+                                         fc1.bias)
+    assert plan.stepper() is None
+    model.decoder[1].ffn.fc1 = fc1
+    assert plan.stepper() is not None
+    model.to(torch.float64)  # the LayerNorms' parameters move
+    assert plan.stepper() is None
+    workspace = DecodingWorkspace(mkl_model())
+    assert workspace.native is not None
+    workspace.model.decoder[0].res_ffn.norm.to(torch.float64)
+    src = random_batch([4, 6], seed=7)
+    with torch.inference_mode(), workspace.decoder(src) as decoder:
+        assert decoder._native is None
