@@ -161,6 +161,12 @@ def cache_dir() -> Path:
     return fallback
 
 
+def address(function: ctypes._CFuncPtr) -> int:
+    """The address of a C function of a loaded library, for C code that calls it through
+    a pointer (nmt/inference/native_step.c calls the other kernels and MKL that way)."""
+    return ctypes.cast(function, ctypes.c_void_p).value or 0
+
+
 def say(text: str) -> None:
     """One line on stderr, for what the user would want to know about their setup."""
     print(f"nmt: {text}", file=sys.stderr)

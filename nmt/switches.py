@@ -46,9 +46,9 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("NMT_FUSED_ADD_NORM", "1", "0 leaves a post-norm residual at inference on a CPU "
            "(LayerNorm(x + sublayer)) to PyTorch's add and layer_norm instead of the C "
            "kernel built on first use (nmt/model/add_norm.py)"),
-    Switch("NMT_NATIVE_STEP", "1", "0 leaves an fp32 CPU decoder step on MKL linears to "
-           "PyTorch's layers instead of the C step built on first use "
-           "(nmt/inference/native_step.py)"),
+    Switch("NMT_NATIVE_STEP", "1", "0 leaves a CPU decoder step whose linears are MKL's "
+           "(fp32) or the AMX kernels' (int8, bf16) to PyTorch's layers instead of the C "
+           "step built on first use (nmt/inference/native_step.py)"),
     Switch("NMT_INT8_KERNEL", "", "fbgemm or onednn forces that int8 kernel; unset: each "
            "where it is faster (nmt/inference/int8_linear.py)"),
     Switch("NMT_INT8_OUTPUT", "1", "0 keeps an int8 model's vocabulary projection in fp32 "

@@ -46,11 +46,6 @@ class Mkl(NamedTuple):
     pack: ctypes._CFuncPtr
     compute: ctypes._CFuncPtr
 
-    @property
-    def compute_address(self) -> int:
-        """The address of `cblas_sgemm_compute`, for C code that calls it (native_step)."""
-        return ctypes.cast(self.compute, ctypes.c_void_p).value or 0
-
 
 @functools.cache
 def mkl() -> Mkl | None:
@@ -59,10 +54,10 @@ def mkl() -> Mkl | None:
     if not torch.backends.mkl.is_available():
         return None
     found = sorted((Path(torch.__file__).parent / "lib").glob("libtorch_cpu.*"))
+    if not found:
+        return None
     try:
-        lib = ctypes.CDLL(str(found[0])) if found else None
-        if lib is None:
-            return None
+        lib = ctypes.CDLL(str(found[0]))
         get_size, pack, compute = (lib.cblas_sgemm_pack_get_size, lib.cblas_sgemm_pack,
                                    lib.cblas_sgemm_compute)
     except (OSError, AttributeError):

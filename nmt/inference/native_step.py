@@ -40,7 +40,8 @@ from nmt.switches import switch
 
 SOURCE = Path(__file__).with_suffix(".c")
 PARAMS = 47  # the header's length: P_COUNT of the C source
-LAYER_PARAMS = 34  # one layer's block: L_COUNT of the C source
+LAYER_PARAMS = 34  # one layer's block: L_COUNT of the C source (checked in `_agrees`)
+CACHE_PARAMS = 4  # of which the layer's caches, filled in per step
 KIND_MKL, KIND_AMX_I8, KIND_AMX_BF16 = 0, 1, 2  # a linear's kernel, as the C source has them
 FLOAT32_LINEARS = (MklLinear, AmxInt8Linear)  # float32 in and out
 BF16_LINEARS = (AmxLinear,)  # bfloat16 in and out
@@ -73,7 +74,7 @@ class NativePlan:
     def __init__(self, model: Transformer, lib: ctypes.CDLL, compute: int, attention: int,
                  norm: int, amx: int) -> None:
         cfg = model.config
-        self.model, self._lib = model, lib
+        self.model, self.lib = model, lib
         self.heads, self.d_k, self.d_v = cfg.heads, cfg.head_dim_k, cfg.head_dim_v
         self.d_model, self.d_ff = cfg.d_model, cfg.d_ff
         self.width = 2 * self.heads * self.d_k + self.heads * self.d_v  # a fused q/k/v row
@@ -85,6 +86,7 @@ class NativePlan:
         self.eps_bits = native.float_bits(eps)
         self.scale_bits = native.float_bits(self.d_k ** -0.5)
         self.layers = [_layer_addresses(layer) for layer in model.decoder]
+        assert all(len(block) + CACHE_PARAMS == LAYER_PARAMS for block in self.layers)
         self._made_from = _what_it_reads(model)  # holds the layers: their memory stays
 
     def stepper(self) -> NativeStep | None:
@@ -141,7 +143,7 @@ class NativeStep:
             *plan.kernels, m, g, 0 if entries is None else entries.data_ptr(), fed,
             plan.heads, plan.d_k, plan.d_v, d, plan.d_ff, cross_v.size(2), state.position,
             plan.eps_bits, plan.scale_bits, torch.get_num_threads(),
-            *_mask_params(mask, 2), *_mask_params(cross_mask, None),
+            *_mask_params(mask, per_query=True), *_mask_params(cross_mask, per_query=False),
             *keys0.stride()[:4], *values0.stride()[:4],
             cross_k.stride(0), cross_k.stride(1), cross_k.stride(3),
             *cross_v.stride()[:3],
@@ -152,7 +154,7 @@ class NativeStep:
                                                  state.cross_k, state.cross_v, strict=True):
             params.extend(weights)
             params.extend((keys.data_ptr(), values.data_ptr(), k_t.data_ptr(), v.data_ptr()))
-        which = plan._lib.nmt_decoder_step(params.buffer_info()[0])
+        which = plan.lib.nmt_decoder_step(params.buffer_info()[0])
         if which < 0:
             raise MemoryError("native decoder step: no memory for the attention's scratch")
         state.position += 1
@@ -183,9 +185,10 @@ def takes(model: Transformer) -> bool:
     if len({(norm.eps, norm.weight.dtype if norm.weight is not None else None)
             for norm in norms}) != 1:
         return False
-    if not all(_fits(layer) for layer in model.decoder):
+    if not all(_norm_fits(norm) for norm in norms):
         return False
-    if len({_activations(layer) for layer in model.decoder}) != 1:
+    activations = {_activations(layer) for layer in model.decoder}
+    if len(activations) != 1 or None in activations:
         return False
     return fused_attention.enabled() and add_norm.enabled()
 
@@ -196,13 +199,9 @@ def _plan(model: Transformer, lib: ctypes.CDLL) -> NativePlan:
     amx = amx_linear.KERNEL.library()  # not None where an AmxInt8Linear was made
     attention, norm = fused_attention.KERNEL.library(), add_norm.KERNEL.library()
     assert attention is not None and norm is not None
-    return NativePlan(model, lib, 0 if functions is None else functions.compute_address,
-                      _address(attention.nmt_attention), _address(norm.nmt_add_norm),
-                      0 if amx is None else _address(amx.nmt_amx_linear))
-
-
-def _address(function: ctypes._CFuncPtr) -> int:
-    return ctypes.cast(function, ctypes.c_void_p).value or 0
+    return NativePlan(model, lib, 0 if functions is None else native.address(functions.compute),
+                      native.address(attention.nmt_attention), native.address(norm.nmt_add_norm),
+                      0 if amx is None else native.address(amx.nmt_amx_linear))
 
 
 def _linears(layer: DecoderLayer) -> tuple:
@@ -215,16 +214,13 @@ def _norms(layer: DecoderLayer) -> tuple:
     return layer.res_self.norm, layer.res_cross.norm, layer.res_ffn.norm
 
 
-def _fits(layer: DecoderLayer) -> bool:
-    """Every linear one the C step calls, all with one activation dtype (`_activations`);
-    every LayerNorm affine, its weight and bias of one dtype (float32 or bfloat16)."""
-    if _activations(layer) is None:
-        return False
-    return all(norm.weight is not None and norm.bias is not None
-               and norm.weight.dtype in (torch.float32, torch.bfloat16)
-               and norm.bias.dtype == norm.weight.dtype
-               and norm.weight.is_contiguous() and norm.bias.is_contiguous()
-               for norm in _norms(layer))
+def _norm_fits(norm: torch.nn.LayerNorm) -> bool:
+    """An affine LayerNorm whose weight and bias are contiguous and of one dtype (float32
+    or bfloat16), as the add + LayerNorm kernel reads them."""
+    return (norm.weight is not None and norm.bias is not None
+            and norm.weight.dtype in (torch.float32, torch.bfloat16)
+            and norm.bias.dtype == norm.weight.dtype
+            and norm.weight.is_contiguous() and norm.bias.is_contiguous())
 
 
 def _activations(layer: DecoderLayer) -> torch.dtype | None:
@@ -296,14 +292,14 @@ def _layout_fits(state: StepState, plan: NativePlan) -> bool:
                                             state.cross_v, strict=True)))
 
 
-def _mask_params(mask: Tensor | None, query_dim: int | None) -> tuple[int, ...]:
+def _mask_params(mask: Tensor | None, per_query: bool) -> tuple[int, ...]:
     """Address and (entry, query, position) strides of a (groups, 1, g or 1, L) additive
-    mask; a slot mask has its query stride, a source mask (`query_dim` None) none."""
+    mask, 0 for each when there is none; a slot mask (`per_query`) has a row per query, a
+    source mask one for all (no query stride given)."""
     if mask is None:
-        return (0, 0, 0, 0) if query_dim is not None else (0, 0, 0)
-    if query_dim is None:
-        return mask.data_ptr(), mask.stride(0), mask.stride(3)
-    return mask.data_ptr(), mask.stride(0), mask.stride(query_dim), mask.stride(3)
+        return (0,) * (4 if per_query else 3)
+    strides = (mask.stride(0), mask.stride(2), mask.stride(3))
+    return mask.data_ptr(), *(strides if per_query else strides[::2])
 
 
 @dataclass
@@ -335,6 +331,9 @@ def _agrees(lib: ctypes.CDLL) -> bool:
 
     if not (fused_attention.enabled() and add_norm.enabled()):
         return False
+    lib.nmt_decoder_step_layer_params.restype = ctypes.c_int64
+    if lib.nmt_decoder_step_layer_params() != LAYER_PARAMS:
+        return False  # the C source's layer block and `_layer_addresses` disagree
     # MKL's linears where there are any (bit-identical ones: a tight tolerance), else the
     # int8 kernel's (a quantized activation may round the other way: a loose one)
     exact = mkl_linear.mkl() is not None
