@@ -37,6 +37,9 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("NMT_AMX_INT8", "1", "0 leaves int8 CPU linears to torch's FBGEMM / oneDNN "
            "kernels instead of the AMX C kernel where the CPU has AMX-INT8 "
            "(nmt/inference/amx_linear.py)"),
+    Switch("NMT_AVX2_INT8", "1", "0 leaves int8 CPU linears without AMX-INT8 to torch's "
+           "FBGEMM / oneDNN kernels instead of the AVX2 C kernel "
+           "(nmt/inference/avx2_linear.py)"),
     Switch("NMT_FUSED_ATTENTION", "1", "0 leaves the CPU decoder step's attention to "
            "PyTorch's ops instead of the C kernel built on first use "
            "(nmt/model/fused_attention.py)"),

@@ -168,14 +168,16 @@ def _pack_i8(lib: ctypes.CDLL, q: Tensor) -> Tensor:
     return out
 
 
-def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    """x (M, K) float -> int8 (M, K) and scales (M,): each row symmetric, absmax / 127 (0
-    for an all-zero row), round half to even; the kernel's activation quantization."""
+def quantize_rows(x: Tensor, levels: int = 127) -> tuple[Tensor, Tensor]:
+    """x (M, K) float -> int8 (M, K) and scales (M,): each row symmetric to [-levels,
+    levels], absmax / levels (0 for an all-zero row), round half to even; the kernel's
+    activation quantization (levels 127; avx2_linear.c's takes 63 without VNNI)."""
     amax = x.abs().amax(dim=1)  # (M,)
     # a true division, as the kernel's (`127.0 / amax` is 127 * reciprocal: other rounding)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div_(amax), torch.zeros_like(amax))
-    q = torch.round(x * inv[:, None]).clamp_(-127, 127).to(torch.int8)  # (M, K)
-    return q, amax / 127.0
+    inv = torch.where(amax > 0, torch.full_like(amax, float(levels)).div_(amax),
+                      torch.zeros_like(amax))
+    q = torch.round(x * inv[:, None]).clamp_(-levels, levels).to(torch.int8)  # (M, K)
+    return q, amax / levels
 
 
 def int8_works() -> bool:
@@ -226,43 +228,76 @@ def fits_int8(weight: Tensor) -> bool:
     return weight.dim() == 2 and weight.size(1) % K_STEP_I8 == 0 and weight.size(0) > 0
 
 
-class AmxInt8Linear(nn.Module):
-    """An inference-only linear layer y ~ x W^T + b on the AMX int8 kernel: W given as int8
-    with per-output scales and packed once, x quantized per row in each call; float32 in
-    and out. Holds no parameters (snapshots, as Int8Linear); needs `int8_available()` and
-    `fits_int8(q)`."""
+class KernelInt8Linear(nn.Module):
+    """An inference-only linear layer y ~ x W^T + b on one of nmt's int8 C kernels: W
+    given as int8 with per-output scales and packed once, x quantized per row in each
+    call; float32 in and out. Holds no parameters (snapshots, as Int8Linear). The kernels'
+    layers (`AmxInt8Linear` here, avx2_linear.py's `Avx2Int8Linear`) say how to reach,
+    fit, pack and run theirs."""
+
+    needs = ""  # what the constructor's error names
+    kernel = ""  # what extra_repr names
+
+    @staticmethod
+    def library() -> ctypes.CDLL | None:
+        raise NotImplementedError
+
+    @staticmethod
+    def fits(q: Tensor) -> bool:
+        raise NotImplementedError
+
+    @staticmethod
+    def pack(lib: ctypes.CDLL, q: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def run(lib: ctypes.CDLL, x: Tensor, packed: Tensor, n: int, bias: Tensor | None,
+            threads: int, scale: Tensor) -> Tensor:
+        raise NotImplementedError
 
     def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None,
                  keep_quantized: bool = False) -> None:
         """`q` (out, in) int8 and `scale` (out,) as `int8_linear.quantize_weight` makes
         them; `keep_quantized`: hold them too, for `rows` (the output projection)."""
         super().__init__()
-        lib = KERNEL.library()
-        if lib is None or not fits_int8(q) or q.dtype != torch.int8:
-            raise ValueError("AmxInt8Linear needs the AMX kernel, int8 and in_features % 64 "
-                             "== 0")
+        lib = self.library()
+        if lib is None or not self.fits(q) or q.dtype != torch.int8:
+            raise ValueError(f"{type(self).__name__} needs {self.needs}")
         self.lib = lib
         self.in_features, self.out_features = q.size(1), q.size(0)
-        self.packed = _pack_i8(lib, q)
+        self.packed = self.pack(lib, q)
         self.scale = scale.detach().float().contiguous()
         self.bias = None if bias is None else bias.detach().float().contiguous().clone()
         self.quantized = (q, self.scale) if keep_quantized else None
 
-    def rows(self, index: Tensor) -> AmxInt8Linear:
+    def rows(self, index: Tensor) -> KernelInt8Linear:
         """The layer of output rows `index` (n,) only (a shortlist's output projection,
         built per batch): repacked from the int8 weight, not quantized again. No bias."""
         if self.quantized is None:
-            raise ValueError("AmxInt8Linear.rows needs a layer made with keep_quantized=True")
+            raise ValueError(f"{type(self).__name__}.rows needs a layer made with "
+                             "keep_quantized=True")
         q, scale = self.quantized
-        return AmxInt8Linear(q.index_select(0, index), scale.index_select(0, index), None)
+        return type(self)(q.index_select(0, index), scale.index_select(0, index), None)
 
     def forward(self, x: Tensor) -> Tensor:
         """(..., in_features) float32 -> (..., out_features) float32."""
         if x.dtype != torch.float32:
             x = x.float()
-        return _linear(self.lib, x, self.packed, self.out_features, self.bias,
-                       torch.get_num_threads(), self.scale)
+        return self.run(self.lib, x, self.packed, self.out_features, self.bias,
+                        torch.get_num_threads(), self.scale)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, AMX int8 kernel, activations per row")
+                f"bias={self.bias is not None}, {self.kernel}, activations per row")
+
+
+class AmxInt8Linear(KernelInt8Linear):
+    """`KernelInt8Linear` on the AMX int8 kernel; needs `int8_available()` and
+    `fits_int8(q)`."""
+
+    needs = "the AMX kernel, int8 and in_features % 64 == 0"
+    kernel = "AMX int8 kernel"
+    library = staticmethod(KERNEL.library)
+    fits = staticmethod(fits_int8)
+    pack = staticmethod(_pack_i8)
+    run = staticmethod(_linear)

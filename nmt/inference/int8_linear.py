@@ -22,8 +22,10 @@ docs/inference.md. The model is inference-only afterwards (the int8 weights are 
 parameters, not in `state_dict()`).
 
 On a CPU with AMX-INT8 every layer whose input width is a multiple of 64 runs instead on
-nmt/inference/amx_linear.py's int8 kernel (`make_int8_linear`): activations quantized per
-row, nothing compiled per shape; its quality and speed are in docs/performance.md.
+nmt/inference/amx_linear.py's int8 kernel (`make_int8_linear`), and on a CPU without AVX-512
+(an AVX2 one, or the kernels capped at AVX2) every layer of a width a multiple of 32 on
+nmt/inference/avx2_linear.py's: activations quantized per row, nothing compiled per shape,
+and both callable from the native decoder step; quality and speed in docs/performance.md.
 
 The kernels are reached through the quantized-tensor API that torch marks as deprecated,
 so availability is checked once per process against `F.linear` on a small case; where a
@@ -45,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nmt.cores import cpu_info
-from nmt.inference import amx_linear
+from nmt.inference import amx_linear, avx2_linear
 from nmt.inference.packed_linear import available as packed_available
 from nmt.inference.packed_linear import make_linear, swap_linears
 from nmt.switches import switch
@@ -196,17 +198,22 @@ class Int8Linear(nn.Module):
                 f"int8 per-channel weights, kernels={'+'.join(self.packed)}")
 
 
-ROW_SELECTABLE = (Int8Linear, amx_linear.AmxInt8Linear)  # int8 layers with `rows(index)`
+ROW_SELECTABLE = (Int8Linear, amx_linear.AmxInt8Linear,
+                  avx2_linear.Avx2Int8Linear)  # int8 layers with `rows(index)`
 
 
 def make_int8_linear(weight: Tensor, bias: Tensor | None,
                      keep_quantized: bool = False) -> nn.Module:
     """The int8 inference layer for float `weight` (out, in) and `bias`: on the AMX int8
-    kernel where it runs and takes the width, else an `Int8Linear`. `keep_quantized`: the
-    layer can give a layer of some of its rows (`rows`)."""
+    kernel where it runs and takes the width, else on the AVX2 one (a CPU without AVX-512),
+    else an `Int8Linear`. `keep_quantized`: the layer can give a layer of some of its rows
+    (`rows`)."""
     if amx_linear.fits_int8(weight) and amx_linear.int8_available():
         q, scale = quantize_weight(weight)
         return amx_linear.AmxInt8Linear(q, scale, bias, keep_quantized=keep_quantized)
+    if avx2_linear.fits(weight) and avx2_linear.available():
+        q, scale = quantize_weight(weight)
+        return avx2_linear.Avx2Int8Linear(q, scale, bias, keep_quantized=keep_quantized)
     return Int8Linear(weight, bias, keep_quantized=keep_quantized)
 
 

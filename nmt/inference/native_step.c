@@ -8,7 +8,8 @@
  * packed sgemm on the weights nmt/inference/mkl_linear.py packed, through the
  * `cblas_sgemm_compute` torch's library exports, each output row starting as the bias,
  * beta = 1; int8 and bf16: the AMX kernel of nmt/inference/amx_linear.c on its packed
- * weights, int8 activations quantized per row inside it), the attention and the
+ * weights, int8 activations quantized per row inside it; int8 without AMX: the AVX2 kernel
+ * of nmt/inference/avx2_linear.c, the same way), the attention and the
  * add + LayerNorm through nmt's own kernels (fused_attention.c, add_norm.c), all called by
  * address. Activations are float32 (MKL, int8 layers) or bfloat16 (bf16 layers), P_BF16. Same functions, same order, same rounding: the features are bit-identical to
  * the PyTorch path's (nmt/inference/native_step.py checks it once per process).
@@ -30,7 +31,7 @@ typedef int (*kernel_t)(const int64_t *);
  * are addresses; strides in elements; eps and scale are float32 bit patterns. */
 enum {
     P_COMPUTE, P_ATTENTION, P_ADD_NORM, /* cblas_sgemm_compute, nmt_attention, nmt_add_norm */
-    P_AMX,                              /* nmt_amx_linear, or 0 where no layer uses it */
+    P_AMX, P_AVX2,                      /* nmt_amx_linear, nmt_avx2_linear, or 0 where unused */
     P_BF16, P_W_BF16,                   /* activations, LayerNorm weights: 1 = bfloat16 */
     P_ROWS, P_G, P_ENTRIES, P_FED,      /* m, g, (e,) int64 or 0, e */
     P_HEADS, P_DK, P_DV, P_D, P_F, P_S, P_POS, P_EPS, P_SCALE, P_THREADS,
@@ -48,8 +49,9 @@ enum {
 /* Per layer: its linears (each LIN_COUNT entries: kind, packed weight, bias or 0, int8
  * weight scales or 0), LayerNorm weights and biases, and the layer's caches. */
 enum { LIN_KIND, LIN_W, LIN_B, LIN_SCALE, LIN_COUNT };
-enum { KIND_MKL = 0, KIND_AMX_I8 = 1, KIND_AMX_BF16 = 2 };
+enum { KIND_MKL = 0, KIND_AMX_I8 = 1, KIND_AMX_BF16 = 2, KIND_AVX2_I8 = 3 };
 enum { AMX_LINEAR = 2, AMX_LINEAR_I8 = 5 }; /* OP_LINEAR, OP_LINEAR_I8 of amx_linear.c */
+enum { AVX2_LINEAR = 2 };                   /* OP_LINEAR of avx2_linear.c (same block) */
 enum {
     L_QKV = 0, L_O = L_QKV + LIN_COUNT, L_N1W = L_O + LIN_COUNT, L_N1B,
     L_Q, L_O2 = L_Q + LIN_COUNT, L_N2W = L_O2 + LIN_COUNT, L_N2B,
@@ -63,14 +65,16 @@ int64_t nmt_decoder_step_params(void) { return P_COUNT; }
 int64_t nmt_decoder_step_layer_params(void) { return L_COUNT; }
 
 /* out (m, n) = x (m, k) W^T + b by the layer's kernel (`lin`: LIN_COUNT entries), in the
- * activations' type. Returns 0, or -1 when the AMX kernel failed. */
+ * activations' type. Returns 0, or -1 when the AMX or AVX2 kernel failed. */
 static int linear(const int64_t *p, const void *x, int64_t m, int64_t k, const int64_t *lin,
                   int64_t n, void *out) {
     if (lin[LIN_KIND] != KIND_MKL) {
-        const int64_t op = lin[LIN_KIND] == KIND_AMX_I8 ? AMX_LINEAR_I8 : AMX_LINEAR;
+        const int64_t kind = lin[LIN_KIND];
+        const int64_t op = kind == KIND_AMX_BF16 ? AMX_LINEAR
+                         : kind == KIND_AMX_I8 ? AMX_LINEAR_I8 : AVX2_LINEAR;
         const int64_t a[12] = {op, (int64_t)x, m, k, k, lin[LIN_W], n, lin[LIN_B],
                                (int64_t)out, n, p[P_THREADS], lin[LIN_SCALE]};
-        return ((kernel_t)p[P_AMX])(a) ? -1 : 0;
+        return ((kernel_t)p[kind == KIND_AVX2_I8 ? P_AVX2 : P_AMX])(a) ? -1 : 0;
     }
     const float *bias = (const float *)lin[LIN_B];
     float *y = (float *)out;

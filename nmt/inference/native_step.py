@@ -6,8 +6,9 @@ runs the same kernels (MKL's packed sgemm, nmt's attention and add + LayerNorm) 
 call, with the same results bit for bit.
 
 What takes it: a post-norm model whose decoder linears are `MklLinear` (the translator's
-fp32 path on an Intel CPU, nmt/inference/mkl_linear.py) or `AmxInt8Linear` (its int8 path
-on a CPU with AMX-INT8), with float32 activations, or all `AmxLinear` (its bf16 path on a
+fp32 path on an Intel CPU, nmt/inference/mkl_linear.py), `AmxInt8Linear` (its int8 path
+on a CPU with AMX-INT8) or `Avx2Int8Linear` (its int8 path on a CPU without AVX-512,
+nmt/inference/avx2_linear.py), with float32 activations, or all `AmxLinear` (its bf16 path on a
 CPU with AMX-BF16, nmt/inference/amx_linear.py), bfloat16 throughout; decoding with the
 grouped cache (nmt/inference/kv_cache.py) on rows that are whole groups, without the
 attention weights; the three kernels built and checked. Anything else returns None from
@@ -30,8 +31,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import nmt.native as native
-from nmt.inference import amx_linear, mkl_linear
+from nmt.inference import amx_linear, avx2_linear, mkl_linear
 from nmt.inference.amx_linear import AmxInt8Linear, AmxLinear
+from nmt.inference.avx2_linear import Avx2Int8Linear
 from nmt.inference.mkl_linear import MklLinear
 from nmt.model import add_norm, fused_attention
 from nmt.model.layers import DecoderLayer
@@ -39,11 +41,11 @@ from nmt.model.transformer import Transformer
 from nmt.switches import switch
 
 SOURCE = Path(__file__).with_suffix(".c")
-PARAMS = 47  # the header's length: P_COUNT of the C source
+PARAMS = 48  # the header's length: P_COUNT of the C source
 LAYER_PARAMS = 34  # one layer's block: L_COUNT of the C source (checked in `_agrees`)
 CACHE_PARAMS = 4  # of which the layer's caches, filled in per step
-KIND_MKL, KIND_AMX_I8, KIND_AMX_BF16 = 0, 1, 2  # a linear's kernel, as the C source has them
-FLOAT32_LINEARS = (MklLinear, AmxInt8Linear)  # float32 in and out
+KIND_MKL, KIND_AMX_I8, KIND_AMX_BF16, KIND_AVX2_I8 = 0, 1, 2, 3  # as the C source has them
+FLOAT32_LINEARS = (MklLinear, AmxInt8Linear, Avx2Int8Linear)  # float32 in and out
 BF16_LINEARS = (AmxLinear,)  # bfloat16 in and out
 
 
@@ -72,7 +74,7 @@ class NativePlan:
     alive). One per model (the workspace keeps it); `stepper()` per decoder."""
 
     def __init__(self, model: Transformer, lib: ctypes.CDLL, compute: int, attention: int,
-                 norm: int, amx: int) -> None:
+                 norm: int, amx: int, avx2: int) -> None:
         cfg = model.config
         self.model, self.lib = model, lib
         self.heads, self.d_k, self.d_v = cfg.heads, cfg.head_dim_k, cfg.head_dim_v
@@ -80,7 +82,7 @@ class NativePlan:
         self.width = 2 * self.heads * self.d_k + self.heads * self.d_v  # a fused q/k/v row
         self.dtype = _activations(model.decoder[0])
         norm_dtype = model.decoder[0].res_self.norm.weight.dtype
-        self.kernels = (compute, attention, norm, amx, int(self.dtype == torch.bfloat16),
+        self.kernels = (compute, attention, norm, amx, avx2, int(self.dtype == torch.bfloat16),
                         int(norm_dtype == torch.bfloat16))
         eps = model.decoder[0].res_self.norm.eps
         self.eps_bits = native.float_bits(eps)
@@ -173,8 +175,9 @@ def plan_for(model: Transformer) -> NativePlan | None:
 
 def takes(model: Transformer) -> bool:
     """Whether the native step is wanted and can run `model`'s decoder here (the C library
-    aside): post-norm, in inference mode, every decoder linear an `MklLinear` or an
-    `AmxInt8Linear` (float32 activations) or every one an `AmxLinear` (bfloat16), LayerNorms
+    aside): post-norm, in inference mode, every decoder linear an `MklLinear`, an
+    `AmxInt8Linear` or an `Avx2Int8Linear` (float32 activations) or every one an
+    `AmxLinear` (bfloat16), LayerNorms
     of one eps and dtype with weights and biases, a model width the kernels take; the
     attention and add + LayerNorm kernels there."""
     if switch("NMT_NATIVE_STEP") == "0" or model.training or model.config.pre_norm:
@@ -196,12 +199,16 @@ def takes(model: Transformer) -> bool:
 def _plan(model: Transformer, lib: ctypes.CDLL) -> NativePlan:
     """The plan over `lib` (the checks of `takes` passed)."""
     functions = mkl_linear.mkl()  # not None where an MklLinear was made
-    amx = amx_linear.KERNEL.library()  # not None where an AmxInt8Linear was made
+    linears = [linear for layer in model.decoder for linear in _linears(layer)]
+    # the AMX and AVX2 kernels' libraries as the layers hold them (none loaded for nothing)
+    amx = next((x.lib for x in linears if isinstance(x, AmxInt8Linear | AmxLinear)), None)
+    avx2 = next((x.lib for x in linears if isinstance(x, Avx2Int8Linear)), None)
     attention, norm = fused_attention.KERNEL.library(), add_norm.KERNEL.library()
     assert attention is not None and norm is not None
     return NativePlan(model, lib, 0 if functions is None else native.address(functions.compute),
                       native.address(attention.nmt_attention), native.address(norm.nmt_add_norm),
-                      0 if amx is None else native.address(amx.nmt_amx_linear))
+                      0 if amx is None else native.address(amx.nmt_amx_linear),
+                      0 if avx2 is None else native.address(avx2.nmt_avx2_linear))
 
 
 def _linears(layer: DecoderLayer) -> tuple:
@@ -260,14 +267,15 @@ def _what_it_reads(model: Transformer) -> list[object]:
     return found
 
 
-def _linear_entry(linear: MklLinear | AmxInt8Linear | AmxLinear) -> list[int]:
+def _linear_entry(linear: MklLinear | AmxInt8Linear | Avx2Int8Linear | AmxLinear) -> list[int]:
     """A linear's block (LIN_KIND .. LIN_SCALE of the C source)."""
     bias = 0 if linear.bias is None else linear.bias.data_ptr()
     if isinstance(linear, MklLinear):
         return [KIND_MKL, linear.address, bias, 0]
     if isinstance(linear, AmxLinear):
         return [KIND_AMX_BF16, linear.packed.data_ptr(), bias, 0]
-    return [KIND_AMX_I8, linear.packed.data_ptr(), bias, linear.scale.data_ptr()]
+    kind = KIND_AMX_I8 if isinstance(linear, AmxInt8Linear) else KIND_AVX2_I8
+    return [kind, linear.packed.data_ptr(), bias, linear.scale.data_ptr()]
 
 
 def _layout_fits(state: StepState, plan: NativePlan) -> bool:
@@ -326,7 +334,7 @@ def _agrees(lib: ctypes.CDLL) -> bool:
     mask, a padded source, the second and third sentences fed; features to float
     rounding, and this position's keys and values written where they belong."""
     from nmt.config import model_preset
-    from nmt.inference.int8_linear import quantize_weight
+    from nmt.inference.int8_linear import make_int8_linear
     from nmt.inference.packed_linear import swap_linears
 
     if not (fused_attention.enabled() and add_norm.enabled()):
@@ -337,13 +345,12 @@ def _agrees(lib: ctypes.CDLL) -> bool:
     # MKL's linears where there are any (bit-identical ones: a tight tolerance), else the
     # int8 kernel's (a quantized activation may round the other way: a loose one)
     exact = mkl_linear.mkl() is not None
-    if not (exact or amx_linear.int8_available()):
+    if not (exact or amx_linear.int8_available() or avx2_linear.available()):
         return False
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = Transformer(model_preset("tiny", vocab_size=40)).eval()
-        swap_linears(model, MklLinear if exact else
-                     lambda w, b: AmxInt8Linear(*quantize_weight(w), b))
+        swap_linears(model, MklLinear if exact else make_int8_linear)
         cfg, groups, g, position = model.config, 3, 2, 3
         heads, d_k, d_v = cfg.heads, cfg.head_dim_k, cfg.head_dim_v
         keys = [torch.randn(groups, heads, 8, g, d_k) for _ in model.decoder]

@@ -1,5 +1,6 @@
 """The native decoder step (nmt/inference/native_step.py): the PyTorch layers' step bit for
-bit, on MKL's fp32 linears and on the AMX kernels' int8 and bf16 ones (every step's logits,
+bit, on MKL's fp32 linears, on the AMX kernels' int8 and bf16 ones and on the AVX2 int8
+kernel's (every step's logits,
 whole beam searches, the rows-fed and regrouped paths, cache growth, several threads, odd
 head sizes), what it leaves to PyTorch, and a trained model translating byte-identically
 with and without it."""
@@ -13,10 +14,11 @@ import torch
 from conftest import torch_threads
 from helpers.models import make_model, random_batch
 
-from nmt.inference import amx_linear, mkl_linear, native_step
+from nmt.inference import amx_linear, avx2_linear, mkl_linear, native_step
 from nmt.inference.amx_linear import AmxInt8Linear, AmxLinear
+from nmt.inference.avx2_linear import Avx2Int8Linear
 from nmt.inference.decoding import DecodingWorkspace, decode_step
-from nmt.inference.int8_linear import make_int8_linear
+from nmt.inference.int8_linear import make_int8_linear, quantize_weight
 from nmt.inference.mkl_linear import MklLinear
 from nmt.inference.native_step import NativeStep, plan_for, takes
 from nmt.inference.packed_linear import PackedLinear, swap_linears
@@ -29,10 +31,15 @@ needs_native = pytest.mark.skipif(
     not (mkl_linear.works() and native_step.KERNEL.enabled()),
     reason="no MKL packed sgemm in this torch, or no C compiler: the native step cannot run")
 
-needs_amx_int8 = pytest.mark.skipif(
-    not (amx_linear.int8_available() and native_step.KERNEL.enabled()),
-    reason="no AMX-INT8 kernel here (no AMX, kernels capped below it, or no C compiler): "
-           "int8 layers are torch's, which the native step does not take")
+needs_int8 = pytest.mark.skipif(
+    not ((amx_linear.int8_available() or avx2_linear.available())
+         and native_step.KERNEL.enabled()),
+    reason="int8 layers are torch's here (an AVX-512 CPU without AMX-INT8, or no C "
+           "compiler), which the native step does not take")
+
+needs_avx2_int8 = pytest.mark.skipif(
+    not (avx2_linear.KERNEL.enabled() and native_step.KERNEL.enabled()),
+    reason="no AVX2 int8 kernel here (no AVX2, or no C compiler)")
 
 needs_amx_bf16 = pytest.mark.skipif(
     not (amx_linear.available() and native_step.KERNEL.enabled()),
@@ -55,11 +62,19 @@ def mkl_model(seed: int = 0, **overrides: object) -> Transformer:
 
 
 def int8_model(seed: int = 0, **overrides: object) -> Transformer:
-    """The same with every linear on the AMX int8 kernel (the translator's int8 layers on a
-    CPU with AMX-INT8)."""
+    """The same with every linear on the int8 kernel the translator picks here (AMX's on a
+    CPU with AMX-INT8, else the AVX2 one)."""
     model = make_model(seed, **overrides)
     swap_linears(model, make_int8_linear)
-    assert isinstance(model.decoder[0].ffn.fc2, AmxInt8Linear)
+    assert isinstance(model.decoder[0].ffn.fc2, AmxInt8Linear | Avx2Int8Linear)
+    return model
+
+
+def avx2_int8_model(seed: int = 0, **overrides: object) -> Transformer:
+    """The same with every linear on the AVX2 int8 kernel, whatever this CPU would pick
+    (on an AVX-512 CPU its VNNI build)."""
+    model = make_model(seed, **overrides)
+    swap_linears(model, lambda w, b: Avx2Int8Linear(*quantize_weight(w), b))
     return model
 
 
@@ -72,7 +87,8 @@ def bf16_model(seed: int = 0, **overrides: object) -> Transformer:
 
 
 MAKERS = [pytest.param(mkl_model, id="fp32"),
-          pytest.param(int8_model, id="int8", marks=needs_amx_int8),
+          pytest.param(int8_model, id="int8", marks=needs_int8),
+          pytest.param(avx2_int8_model, id="int8-avx2", marks=needs_avx2_int8),
           pytest.param(bf16_model, id="bf16", marks=needs_amx_bf16)]
 
 
@@ -220,7 +236,7 @@ def test_what_it_leaves_to_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
 @needs_native
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", [pytest.param("fp32"),
-                                       pytest.param("int8", marks=needs_amx_int8),
+                                       pytest.param("int8", marks=needs_int8),
                                        pytest.param("bf16", marks=needs_amx_bf16)])
 def test_a_trained_model_translates_byte_identically(multi30k_model: Path, precision: str,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
