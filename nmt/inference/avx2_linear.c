@@ -70,9 +70,10 @@ static void pack(const int8_t *w, int64_t n, int64_t k, int8_t *out) {
                 }
         }
     int32_t *comp = (int32_t *)(out + blocks * OUTS * k);
-    for (int64_t j = 0; j < blocks * OUTS; j++) {
+    for (int64_t j = 0; j < blocks * OUTS; j++) { /* the padding's terms are 0 */
         int32_t sum = 0;
-        for (int64_t i = 0; j < n && i < k; i++) sum += w[j * k + i];
+        if (j < n)
+            for (int64_t i = 0; i < k; i++) sum += w[j * k + i];
         comp[j] = OFFSET * sum;
     }
 }

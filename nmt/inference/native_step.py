@@ -8,10 +8,10 @@ call, with the same results bit for bit.
 What takes it: a post-norm model whose decoder linears are `MklLinear` (the translator's
 fp32 path on an Intel CPU, nmt/inference/mkl_linear.py), `AmxInt8Linear` (its int8 path
 on a CPU with AMX-INT8) or `Avx2Int8Linear` (its int8 path on a CPU without AVX-512,
-nmt/inference/avx2_linear.py), with float32 activations, or all `AmxLinear` (its bf16 path on a
-CPU with AMX-BF16, nmt/inference/amx_linear.py), bfloat16 throughout; decoding with the
-grouped cache (nmt/inference/kv_cache.py) on rows that are whole groups, without the
-attention weights; the three kernels built and checked. Anything else returns None from
+nmt/inference/avx2_linear.py), with float32 activations, or all `AmxLinear` (its bf16
+path on a CPU with AMX-BF16, nmt/inference/amx_linear.py), bfloat16 throughout; decoding
+with the grouped cache (nmt/inference/kv_cache.py) on rows that are whole groups, without
+the attention weights; the three kernels built and checked. Anything else returns None from
 `NativeStep.step`, and decode_step (nmt/inference/decoding.py) runs the PyTorch layers.
 The embedding, the slot mask and the output projection stay in PyTorch. The library is
 built on first use like the other kernels (nmt/native.py) and checked once per process
@@ -177,9 +177,8 @@ def takes(model: Transformer) -> bool:
     """Whether the native step is wanted and can run `model`'s decoder here (the C library
     aside): post-norm, in inference mode, every decoder linear an `MklLinear`, an
     `AmxInt8Linear` or an `Avx2Int8Linear` (float32 activations) or every one an
-    `AmxLinear` (bfloat16), LayerNorms
-    of one eps and dtype with weights and biases, a model width the kernels take; the
-    attention and add + LayerNorm kernels there."""
+    `AmxLinear` (bfloat16), LayerNorms of one eps and dtype with weights and biases, a
+    model width the kernels take; the attention and add + LayerNorm kernels there."""
     if switch("NMT_NATIVE_STEP") == "0" or model.training or model.config.pre_norm:
         return False
     if model.dec_norm is not None or not 0 < model.config.d_model <= add_norm.MAX_D:
