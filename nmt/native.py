@@ -13,6 +13,7 @@ small case); each kernel's module falls back to PyTorch's ops when it returns No
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
 import hashlib
@@ -165,6 +166,15 @@ def address(function: ctypes._CFuncPtr) -> int:
     """The address of a C function of a loaded library, for C code that calls it through
     a pointer (nmt/inference/native_step.c calls the other kernels and MKL that way)."""
     return ctypes.cast(function, ctypes.c_void_p).value or 0
+
+
+def call_linear(entry: ctypes._CFuncPtr, op: int, x: int = 0, m: int = 0, k: int = 0,
+                ldx: int = 0, w: int = 0, n: int = 0, bias: int = 0, y: int = 0, ldy: int = 0,
+                threads: int = 1, scale: int = 0) -> int:
+    """Call a linear kernel's C entry (nmt_amx_linear, nmt_avx2_linear) with its 12-entry
+    parameter block, in the order both C sources (and native_step.c) read it; its status."""
+    params = array.array("q", (op, x, m, k, ldx, w, n, bias, y, ldy, threads, scale))
+    return entry(params.buffer_info()[0])
 
 
 def say(text: str) -> None:

@@ -19,7 +19,6 @@ it off.
 
 from __future__ import annotations
 
-import array
 import ctypes
 import functools
 import os
@@ -40,19 +39,13 @@ K_STEP = 32  # bf16 in_features must be a multiple of this (one tile's depth)
 K_STEP_I8 = 64  # int8 in_features must be a multiple of this
 
 
-def _call(lib: ctypes.CDLL, op: int, x: int = 0, m: int = 0, k: int = 0, ldx: int = 0,
-          w: int = 0, n: int = 0, bias: int = 0, y: int = 0, ldy: int = 0,
-          threads: int = 1, scale: int = 0) -> int:
-    params = array.array("q", (op, x, m, k, ldx, w, n, bias, y, ldy, threads, scale))
-    return lib.nmt_amx_linear(params.buffer_info()[0])
-
-
 def _pack(lib: ctypes.CDLL, weight: Tensor) -> Tensor:
     """(N, K) bf16 weight -> the kernel's tile layout (flat bf16), N padded to 32."""
     w = weight.detach().to(torch.bfloat16).contiguous()
     n, k = w.shape
     out = torch.empty((n + 31) // 32 * 32 * k, dtype=torch.bfloat16)
-    if _call(lib, OP_PACK, w=w.data_ptr(), n=n, k=k, y=out.data_ptr()) != 0:
+    if native.call_linear(lib.nmt_amx_linear, OP_PACK, w=w.data_ptr(), n=n, k=k,
+                          y=out.data_ptr()) != 0:
         raise RuntimeError("the AMX linear kernel failed to pack a weight")
     return out
 
@@ -68,10 +61,11 @@ def _linear(lib: ctypes.CDLL, x: Tensor, packed: Tensor, n: int, bias: Tensor | 
         rows = rows.contiguous()
     op, dtype = (OP_LINEAR, torch.bfloat16) if scale is None else (OP_LINEAR_I8, torch.float32)
     y = torch.empty(rows.size(0), n, dtype=dtype)  # (M, N)
-    status = _call(lib, op, x=rows.data_ptr(), m=rows.size(0), k=k, ldx=rows.stride(0),
-                   w=packed.data_ptr(), n=n, bias=0 if bias is None else bias.data_ptr(),
-                   y=y.data_ptr(), ldy=n, threads=threads,
-                   scale=0 if scale is None else scale.data_ptr())
+    status = native.call_linear(lib.nmt_amx_linear, op, x=rows.data_ptr(), m=rows.size(0),
+                                k=k, ldx=rows.stride(0), w=packed.data_ptr(), n=n,
+                                bias=0 if bias is None else bias.data_ptr(),
+                                y=y.data_ptr(), ldy=n, threads=threads,
+                                scale=0 if scale is None else scale.data_ptr())
     if status != 0:
         raise RuntimeError(f"the AMX linear kernel failed (status {status})")
     return y.view(*x.shape[:-1], n)
@@ -81,7 +75,7 @@ def _agrees(lib: ctypes.CDLL) -> bool:
     """The kernel runs here (AMX granted) and matches F.linear to bf16 rounding: row counts
     below, at and past the 16- and 32-row blocks, a width that is no multiple of 16, with
     and without a bias, one and two threads."""
-    if _call(lib, OP_AVAILABLE) != 0:
+    if native.call_linear(lib.nmt_amx_linear, OP_AVAILABLE) != 0:
         return False
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(40, 64, generator=gen).bfloat16()
@@ -148,6 +142,11 @@ class AmxLinear(nn.Module):
         return _linear(self.lib, x, self.packed, self.out_features, self.bias,
                        torch.get_num_threads())
 
+    def c_entry(self) -> tuple[int, int]:
+        """The C function (its address) and op that compute this layer, for a caller in C
+        (nmt/inference/native_step.c), which passes `packed` and `bias` as `forward` does."""
+        return native.address(getattr(self.lib, KERNEL.entry)), OP_LINEAR
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, AMX bf16 kernel")
@@ -163,7 +162,8 @@ def _pack_i8(lib: ctypes.CDLL, q: Tensor) -> Tensor:
     q = q.contiguous()
     n, k = q.shape
     out = torch.empty((n + 31) // 32 * 32 * k, dtype=torch.int8)
-    if _call(lib, OP_PACK_I8, w=q.data_ptr(), n=n, k=k, y=out.data_ptr()) != 0:
+    if native.call_linear(lib.nmt_amx_linear, OP_PACK_I8, w=q.data_ptr(), n=n, k=k,
+                          y=out.data_ptr()) != 0:
         raise RuntimeError("the AMX int8 kernel failed to pack a weight")
     return out
 
@@ -195,7 +195,7 @@ def _int8_agrees(lib: ctypes.CDLL) -> bool:
     """The int8 ops run and agree as exactly as float rounding allows: row counts below, at
     and past the 16- and 32-row blocks, a width no multiple of 16, with and without a
     bias, one and two threads."""
-    if _call(lib, OP_AVAILABLE_I8) != 0:
+    if native.call_linear(lib.nmt_amx_linear, OP_AVAILABLE_I8) != 0:
         return False
     gen = torch.Generator().manual_seed(0)
     weight = torch.randint(-127, 128, (40, 128), generator=gen, dtype=torch.int8)
@@ -237,6 +237,8 @@ class KernelInt8Linear(nn.Module):
 
     needs = ""  # what the constructor's error names
     kernel = ""  # what extra_repr names
+    c_function = ""  # the kernel library's C entry, which `run` calls
+    c_op = 0  # the op of that entry that `run` asks for
 
     @staticmethod
     def library() -> ctypes.CDLL | None:
@@ -286,6 +288,12 @@ class KernelInt8Linear(nn.Module):
         return self.run(self.lib, x, self.packed, self.out_features, self.bias,
                         torch.get_num_threads(), self.scale)
 
+    def c_entry(self) -> tuple[int, int]:
+        """The C function (its address) and op that compute this layer, for a caller in C
+        (nmt/inference/native_step.c), which passes `packed`, `bias` and `scale` as
+        `forward` does."""
+        return native.address(getattr(self.lib, self.c_function)), self.c_op
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, {self.kernel}, activations per row")
@@ -297,6 +305,7 @@ class AmxInt8Linear(KernelInt8Linear):
 
     needs = "the AMX kernel, int8 and in_features % 64 == 0"
     kernel = "AMX int8 kernel"
+    c_function, c_op = KERNEL.entry, OP_LINEAR_I8
     library = staticmethod(KERNEL.library)
     fits = staticmethod(fits_int8)
     pack = staticmethod(_pack_i8)

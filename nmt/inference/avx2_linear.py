@@ -16,7 +16,6 @@ AMX-INT8 is absent and the CPU has no AVX-512 (`available`); NMT_AVX2_INT8=0 tur
 
 from __future__ import annotations
 
-import array
 import ctypes
 import platform
 from pathlib import Path
@@ -36,20 +35,14 @@ K_STEP = 32  # in_features must be a multiple of this
 OUTS = 16  # outputs per packed block
 
 
-def _call(lib: ctypes.CDLL, op: int, x: int = 0, m: int = 0, k: int = 0, ldx: int = 0,
-          w: int = 0, n: int = 0, bias: int = 0, y: int = 0, ldy: int = 0,
-          threads: int = 1, scale: int = 0) -> int:
-    params = array.array("q", (op, x, m, k, ldx, w, n, bias, y, ldy, threads, scale))
-    return lib.nmt_avx2_linear(params.buffer_info()[0])
-
-
 def _pack(lib: ctypes.CDLL, q: Tensor) -> Tensor:
     """(N, K) int8 weight -> the kernel's layout (flat int8), N padded to 16."""
     q = q.contiguous()
     n, k = q.shape
     padded = (n + OUTS - 1) // OUTS * OUTS
     out = torch.empty(padded * k + 4 * padded, dtype=torch.int8)  # + int32 compensation
-    if _call(lib, OP_PACK, w=q.data_ptr(), n=n, k=k, y=out.data_ptr()) != 0:
+    if native.call_linear(lib.nmt_avx2_linear, OP_PACK, w=q.data_ptr(), n=n, k=k,
+                          y=out.data_ptr()) != 0:
         raise RuntimeError("the AVX2 int8 kernel failed to pack a weight")
     return out
 
@@ -63,10 +56,11 @@ def _linear(lib: ctypes.CDLL, x: Tensor, packed: Tensor, n: int, bias: Tensor | 
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     y = torch.empty(rows.size(0), n, dtype=torch.float32)  # (M, N)
-    status = _call(lib, OP_LINEAR, x=rows.data_ptr(), m=rows.size(0), k=k,
-                   ldx=rows.stride(0), w=packed.data_ptr(), n=n,
-                   bias=0 if bias is None else bias.data_ptr(), y=y.data_ptr(), ldy=n,
-                   threads=threads, scale=scale.data_ptr())
+    status = native.call_linear(lib.nmt_avx2_linear, OP_LINEAR, x=rows.data_ptr(),
+                                m=rows.size(0), k=k, ldx=rows.stride(0), w=packed.data_ptr(),
+                                n=n, bias=0 if bias is None else bias.data_ptr(),
+                                y=y.data_ptr(), ldy=n, threads=threads,
+                                scale=scale.data_ptr())
     if status != 0:
         raise RuntimeError(f"the AVX2 int8 kernel failed (status {status})")
     return y.view(*x.shape[:-1], n)
@@ -76,9 +70,9 @@ def _agrees(lib: ctypes.CDLL) -> bool:
     """The kernel runs here and equals the same quantization done by PyTorch, integer
     sums exact: row counts below, at and past the 4-row tile and a chunk, widths below and
     past a 16-output block, with and without a bias, one and two threads."""
-    if _call(lib, OP_AVAILABLE) != 0:
+    if native.call_linear(lib.nmt_avx2_linear, OP_AVAILABLE) != 0:
         return False
-    levels = _call(lib, OP_LEVELS)
+    levels = native.call_linear(lib.nmt_avx2_linear, OP_LEVELS)
     gen = torch.Generator().manual_seed(0)
     for n, k in ((40, 128), (7, 64)):
         weight = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
@@ -124,6 +118,7 @@ class Avx2Int8Linear(KernelInt8Linear):
 
     needs = "the AVX2 kernel, int8 and in_features % 32 == 0"
     kernel = "AVX2 int8 kernel"
+    c_function, c_op = KERNEL.entry, OP_LINEAR
     library = staticmethod(KERNEL.library)
     fits = staticmethod(fits)
     pack = staticmethod(_pack)

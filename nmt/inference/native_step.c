@@ -31,7 +31,6 @@ typedef int (*kernel_t)(const int64_t *);
  * are addresses; strides in elements; eps and scale are float32 bit patterns. */
 enum {
     P_COMPUTE, P_ATTENTION, P_ADD_NORM, /* cblas_sgemm_compute, nmt_attention, nmt_add_norm */
-    P_AMX, P_AVX2,                      /* nmt_amx_linear, nmt_avx2_linear, or 0 where unused */
     P_BF16, P_W_BF16,                   /* activations, LayerNorm weights: 1 = bfloat16 */
     P_ROWS, P_G, P_ENTRIES, P_FED,      /* m, g, (e,) int64 or 0, e */
     P_HEADS, P_DK, P_DV, P_D, P_F, P_S, P_POS, P_EPS, P_SCALE, P_THREADS,
@@ -46,12 +45,11 @@ enum {
     P_COUNT
 };
 
-/* Per layer: its linears (each LIN_COUNT entries: kind, packed weight, bias or 0, int8
- * weight scales or 0), LayerNorm weights and biases, and the layer's caches. */
-enum { LIN_KIND, LIN_W, LIN_B, LIN_SCALE, LIN_COUNT };
-enum { KIND_MKL = 0, KIND_AMX_I8 = 1, KIND_AMX_BF16 = 2, KIND_AVX2_I8 = 3 };
-enum { AMX_LINEAR = 2, AMX_LINEAR_I8 = 5 }; /* OP_LINEAR, OP_LINEAR_I8 of amx_linear.c */
-enum { AVX2_LINEAR = 2 };                   /* OP_LINEAR of avx2_linear.c (same block) */
+/* Per layer: its linears, LayerNorm weights and biases, and the layer's caches. A linear is
+ * LIN_COUNT entries: the kernel that runs it (a function taking the linear kernels' 12-entry
+ * block, amx_linear.c's or avx2_linear.c's, and its op there; 0 for MKL's sgemm), packed
+ * weight, bias or 0, int8 weight scales or 0. */
+enum { LIN_FN, LIN_OP, LIN_W, LIN_B, LIN_SCALE, LIN_COUNT };
 enum {
     L_QKV = 0, L_O = L_QKV + LIN_COUNT, L_N1W = L_O + LIN_COUNT, L_N1B,
     L_Q, L_O2 = L_Q + LIN_COUNT, L_N2W = L_O2 + LIN_COUNT, L_N2B,
@@ -65,16 +63,13 @@ int64_t nmt_decoder_step_params(void) { return P_COUNT; }
 int64_t nmt_decoder_step_layer_params(void) { return L_COUNT; }
 
 /* out (m, n) = x (m, k) W^T + b by the layer's kernel (`lin`: LIN_COUNT entries), in the
- * activations' type. Returns 0, or -1 when the AMX or AVX2 kernel failed. */
+ * activations' type. Returns 0, or -1 when the layer's kernel failed. */
 static int linear(const int64_t *p, const void *x, int64_t m, int64_t k, const int64_t *lin,
                   int64_t n, void *out) {
-    if (lin[LIN_KIND] != KIND_MKL) {
-        const int64_t kind = lin[LIN_KIND];
-        const int64_t op = kind == KIND_AMX_BF16 ? AMX_LINEAR
-                         : kind == KIND_AMX_I8 ? AMX_LINEAR_I8 : AVX2_LINEAR;
-        const int64_t a[12] = {op, (int64_t)x, m, k, k, lin[LIN_W], n, lin[LIN_B],
+    if (lin[LIN_FN]) {
+        const int64_t a[12] = {lin[LIN_OP], (int64_t)x, m, k, k, lin[LIN_W], n, lin[LIN_B],
                                (int64_t)out, n, p[P_THREADS], lin[LIN_SCALE]};
-        return ((kernel_t)p[kind == KIND_AVX2_I8 ? P_AVX2 : P_AMX])(a) ? -1 : 0;
+        return ((kernel_t)lin[LIN_FN])(a) ? -1 : 0;
     }
     const float *bias = (const float *)lin[LIN_B];
     float *y = (float *)out;
@@ -124,7 +119,7 @@ static void relu(void *x, int64_t n, int bf16) {
 }
 
 /* Run the step. Returns 0 when the output (m, d) is in P_X's buffer, 1 when in P_O's,
- * -1 when a kernel failed (no memory for the attention's scratch, an AMX kernel). */
+ * -1 when a kernel failed (no memory for the attention's scratch, a linear's kernel). */
 int nmt_decoder_step(const int64_t *p) {
     const int64_t m = p[P_ROWS], g = p[P_G], H = p[P_HEADS], dk = p[P_DK], dv = p[P_DV];
     const int64_t D = p[P_D], F = p[P_F], pos = p[P_POS];

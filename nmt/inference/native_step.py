@@ -32,7 +32,7 @@ from torch import Tensor
 
 import nmt.native as native
 from nmt.inference import amx_linear, avx2_linear, mkl_linear
-from nmt.inference.amx_linear import AmxInt8Linear, AmxLinear
+from nmt.inference.amx_linear import AmxInt8Linear, AmxLinear, KernelInt8Linear
 from nmt.inference.avx2_linear import Avx2Int8Linear
 from nmt.inference.mkl_linear import MklLinear
 from nmt.model import add_norm, fused_attention
@@ -41,10 +41,9 @@ from nmt.model.transformer import Transformer
 from nmt.switches import switch
 
 SOURCE = Path(__file__).with_suffix(".c")
-PARAMS = 48  # the header's length: P_COUNT of the C source
-LAYER_PARAMS = 34  # one layer's block: L_COUNT of the C source (checked in `_agrees`)
+PARAMS = 46  # the header's length: P_COUNT of the C source
+LAYER_PARAMS = 40  # one layer's block: L_COUNT of the C source (checked in `_agrees`)
 CACHE_PARAMS = 4  # of which the layer's caches, filled in per step
-KIND_MKL, KIND_AMX_I8, KIND_AMX_BF16, KIND_AVX2_I8 = 0, 1, 2, 3  # as the C source has them
 FLOAT32_LINEARS = (MklLinear, AmxInt8Linear, Avx2Int8Linear)  # float32 in and out
 BF16_LINEARS = (AmxLinear,)  # bfloat16 in and out
 
@@ -74,7 +73,7 @@ class NativePlan:
     alive). One per model (the workspace keeps it); `stepper()` per decoder."""
 
     def __init__(self, model: Transformer, lib: ctypes.CDLL, compute: int, attention: int,
-                 norm: int, amx: int, avx2: int) -> None:
+                 norm: int) -> None:
         cfg = model.config
         self.model, self.lib = model, lib
         self.heads, self.d_k, self.d_v = cfg.heads, cfg.head_dim_k, cfg.head_dim_v
@@ -82,7 +81,7 @@ class NativePlan:
         self.width = 2 * self.heads * self.d_k + self.heads * self.d_v  # a fused q/k/v row
         self.dtype = _activations(model.decoder[0])
         norm_dtype = model.decoder[0].res_self.norm.weight.dtype
-        self.kernels = (compute, attention, norm, amx, avx2, int(self.dtype == torch.bfloat16),
+        self.kernels = (compute, attention, norm, int(self.dtype == torch.bfloat16),
                         int(norm_dtype == torch.bfloat16))
         eps = model.decoder[0].res_self.norm.eps
         self.eps_bits = native.float_bits(eps)
@@ -198,16 +197,10 @@ def takes(model: Transformer) -> bool:
 def _plan(model: Transformer, lib: ctypes.CDLL) -> NativePlan:
     """The plan over `lib` (the checks of `takes` passed)."""
     functions = mkl_linear.mkl()  # not None where an MklLinear was made
-    linears = [linear for layer in model.decoder for linear in _linears(layer)]
-    # the AMX and AVX2 kernels' libraries as the layers hold them (none loaded for nothing)
-    amx = next((x.lib for x in linears if isinstance(x, AmxInt8Linear | AmxLinear)), None)
-    avx2 = next((x.lib for x in linears if isinstance(x, Avx2Int8Linear)), None)
     attention, norm = fused_attention.KERNEL.library(), add_norm.KERNEL.library()
     assert attention is not None and norm is not None
     return NativePlan(model, lib, 0 if functions is None else native.address(functions.compute),
-                      native.address(attention.nmt_attention), native.address(norm.nmt_add_norm),
-                      0 if amx is None else native.address(amx.nmt_amx_linear),
-                      0 if avx2 is None else native.address(avx2.nmt_avx2_linear))
+                      native.address(attention.nmt_attention), native.address(norm.nmt_add_norm))
 
 
 def _linears(layer: DecoderLayer) -> tuple:
@@ -241,9 +234,8 @@ def _activations(layer: DecoderLayer) -> torch.dtype | None:
 
 
 def _layer_addresses(layer: DecoderLayer) -> list[int]:
-    """The layer's weights in the C source's order (L_QKV .. L_N3B): each linear's kind,
-    packed weight, bias and int8 scales (0 where absent), each LayerNorm's weight and
-    bias."""
+    """The layer's weights in the C source's order (L_QKV .. L_N3B): each linear's block
+    (`_linear_entry`), each LayerNorm's weight and bias."""
     qkv, out, q, out2, fc1, fc2 = _linears(layer)
     n1, n2, n3 = _norms(layer)
     addresses = []
@@ -267,14 +259,14 @@ def _what_it_reads(model: Transformer) -> list[object]:
 
 
 def _linear_entry(linear: MklLinear | AmxInt8Linear | Avx2Int8Linear | AmxLinear) -> list[int]:
-    """A linear's block (LIN_KIND .. LIN_SCALE of the C source)."""
+    """A linear's block (LIN_FN .. LIN_SCALE of the C source): the C function and op of
+    the layer's own kernel (0, 0 for MKL's sgemm, which the header names), packed weight,
+    bias and int8 scales (0 where absent)."""
     bias = 0 if linear.bias is None else linear.bias.data_ptr()
     if isinstance(linear, MklLinear):
-        return [KIND_MKL, linear.address, bias, 0]
-    if isinstance(linear, AmxLinear):
-        return [KIND_AMX_BF16, linear.packed.data_ptr(), bias, 0]
-    kind = KIND_AMX_I8 if isinstance(linear, AmxInt8Linear) else KIND_AVX2_I8
-    return [kind, linear.packed.data_ptr(), bias, linear.scale.data_ptr()]
+        return [0, 0, linear.address, bias, 0]
+    scale = linear.scale.data_ptr() if isinstance(linear, KernelInt8Linear) else 0
+    return [*linear.c_entry(), linear.packed.data_ptr(), bias, scale]
 
 
 def _layout_fits(state: StepState, plan: NativePlan) -> bool:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import nmt.native as native
 from nmt.inference import amx_linear, avx2_linear, int8_linear
 from nmt.inference.amx_linear import AmxInt8Linear, KernelInt8Linear, quantize_rows
 from nmt.inference.avx2_linear import Avx2Int8Linear
@@ -39,7 +40,7 @@ def levels(kind: type[KernelInt8Linear]) -> int:
         return 127
     lib = avx2_linear.KERNEL.library()
     assert lib is not None
-    return avx2_linear._call(lib, avx2_linear.OP_LEVELS)
+    return native.call_linear(lib.nmt_avx2_linear, avx2_linear.OP_LEVELS)
 
 
 def exact(kind: type[KernelInt8Linear], x: torch.Tensor, q: torch.Tensor,
