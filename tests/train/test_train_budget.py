@@ -88,6 +88,28 @@ def test_time_budget_decays_to_its_end(m30k, tmp_path, one_thread, nmt_cli, shap
     _check_follows_the_clock(_updates(run), shape)
 
 
+def test_a_spent_time_budget_makes_no_update(m30k, tmp_path, one_thread, nmt_cli):
+    """The same command again after a time budget ran out (what re-running `make demo`
+    does) makes no update and writes nothing: no checkpoint that `nmt average --last N`
+    would take in place of an older one, no log record; it says why and exits 0."""
+    run = tmp_path / "run"
+    args = ["train", str(m30k), "-o", str(run), *MODEL_FLAGS, *FLAGS, "--lr-schedule",
+            "linear"]
+    first = nmt_cli.run(*args)
+    assert first.returncode == 0, first.err
+    files = {path.name: path.read_bytes() for path in run.iterdir() if path.is_file()}
+    again = nmt_cli.run(*args)
+    assert again.returncode == 0, again.err
+    assert f"the budget of {BUDGET_MINUTES:g} minutes is spent" in again.err, again.err
+    last = _updates(run)[-1]["step"]
+    assert f"stopped at update {last} " in again.err, again.err
+    after = {path.name: path.read_bytes() for path in run.iterdir() if path.is_file()}
+    assert after.keys() == files.keys()
+    changed = [name for name in files if files[name] != after[name]]
+    assert changed in ([], ["train_log.jsonl"]), changed
+    assert _updates(run)[-1]["step"] == last
+
+
 def _check_dropout_follows(records: list[dict], rate: float, full_epochs: float = 0.0
                            ) -> None:
     """--dropout-schedule linear: the first update ran without dropout and every later
