@@ -264,7 +264,13 @@ class Trainer:
                     run.summary.stopped_early = True
                     self.log.say(self.best.stop_note(self.step, before=True))
                 train = self._train_deferred if self.deferred else self._train_in_line
-                rng = None if self._time_spent() else train(feed, run)
+                if self._time_spent():
+                    rng = None
+                    self.log.say(f"the budget of {self.train_cfg.max_minutes:g} minutes is "
+                                 f"spent ({self.elapsed_before / 60:.2f} minutes trained): "
+                                 "no update to make")
+                else:
+                    rng = train(feed, run)
                 # Decided from what every rank knows alike, never from files: a rank that looked
                 # at RUN while rank 0 was still writing would enter a collective alone.
                 if (self.step != run.saved_step or self.step == 0) and not run.preempted:
@@ -311,11 +317,7 @@ class Trainer:
         `nmt average --last N` would take in place of an older one, so running the same
         command again would change what a finished run averages."""
         budget = self.train_cfg.max_minutes * 60
-        if budget <= 0 or self.elapsed_before < budget:
-            return False
-        self.log.say(f"the budget of {self.train_cfg.max_minutes:g} minutes is spent "
-                     f"({self.elapsed_before / 60:.2f} minutes trained): no update to make")
-        return True
+        return budget > 0 and self.elapsed_before >= budget
 
     def _train_in_line(self, feed: Prefetcher, run: _Run) -> dict[str, Any] | None:
         """Updates until a limit, a stop flag or the end of the data, each launched, read and
