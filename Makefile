@@ -34,6 +34,12 @@ NMT := $(VENV)/bin/nmt
 AVX2_ENV := ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
 	FBGEMM_ENABLE_INSTRUCTIONS=AVX2 CT2_FORCE_CPU_ISA=AVX2
 
+# Two test workers (pytest-xdist), each taking whole files so a module's fixtures are built
+# once: most tests run one thread or wait on a subprocess starting torch, so one worker left
+# the second core of a 2-core CI machine idle. TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
+PYTEST := $(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+
 .PHONY: demo install test gpu-visit-files
 install: $(VENV)/.installed
 
@@ -48,8 +54,8 @@ $(VENV)/.installed-dev: pyproject.toml
 	touch $@ $(VENV)/.installed
 
 test: $(VENV)/.installed-dev
-	$(VENV)/bin/python -m pytest
-	$(AVX2_ENV) $(VENV)/bin/python -m pytest -m isa
+	$(PYTEST)
+	$(AVX2_ENV) $(PYTEST) -m isa
 
 demo: install
 	$(NMT) prep $(RECIPE) -o $(DATA) $(if $(MIRROR),--mirror $(MIRROR))

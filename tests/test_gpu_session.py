@@ -39,7 +39,7 @@ def _session(tmp_path: Path, *args: str, shared: Path | None = None,
 @pytest.mark.slow
 def test_dry_run_runs_every_step(tmp_path, multi30k_dir):
     result = _session(tmp_path, "--dry-run", "--only", "first,second,third", "--budget-s", "1200",
-                      shared=multi30k_dir.parent)
+                      shared=multi30k_dir.parent, timeout=1500)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     steps = [json.loads(line) for line in
              (tmp_path / "out" / "steps.jsonl").read_text().splitlines()]
