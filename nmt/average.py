@@ -71,19 +71,24 @@ def _check_like(state: Mapping[str, torch.Tensor], first: Mapping[str, torch.Ten
                                   f"{first_name}; cannot average it")
 
 
-# Files are averaged in passes over about 1/PASSES of the weights each (row blocks of
-# large tensors included): peak memory is the output (one model) plus, per pass, its float64
-# sums and one file's pages of it, about (1 + 3 / PASSES) models' weights. Each pass
-# re-reads only the files' small headers; the weights are read once in all.
-PASSES = 16
+# Files are averaged in passes over PASS_BYTES of the weights each (row blocks of large
+# tensors included), at most MAX_PASSES: peak memory is the output (one model) plus, per
+# pass, its float64 sums and one file's pages of it, 3 x PASS_BYTES, or (1 + 3 / MAX_PASSES)
+# models' weights for a model above MAX_PASSES x PASS_BYTES. Each pass unpickles every
+# file's header again (0.09 s for a `small` training checkpoint on a 2.45 GHz Zen 3), so a
+# small model takes one or two passes; the weights are read once in all.
+PASS_BYTES = 16 * 2**20
+MAX_PASSES = 16
 Piece = tuple[str, int, int]  # key, first row, end row
 
 
 def _passes(state: Mapping[str, torch.Tensor]) -> list[list[Piece]]:
     """The floating tensors of `state` cut into row blocks and grouped into passes of at
-    most 1 / PASSES of its bytes each (one row may exceed it)."""
+    most PASS_BYTES each, or 1 / MAX_PASSES of its bytes if that is more (one row may exceed
+    either)."""
     floats = {k: v for k, v in state.items() if torch.is_floating_point(v)}
-    budget = max(1.0, sum(v.numel() * v.element_size() for v in floats.values()) / PASSES)
+    total = sum(v.numel() * v.element_size() for v in floats.values())
+    budget = max(1.0, PASS_BYTES, total / MAX_PASSES)
     passes: list[list[Piece]] = [[]]
     size = 0.0
     for key in sorted(floats):
@@ -106,7 +111,7 @@ def _passes(state: Mapping[str, torch.Tensor]) -> list[list[Piece]]:
 
 def _average_files(paths: Sequence[Path], weights: str) -> dict[str, torch.Tensor]:
     """The mean model state of `paths`, each file memory-mapped and one at a time, pass by
-    pass (see PASSES); only the weights are touched, never the optimizer state."""
+    pass (see PASS_BYTES); only the weights are touched, never the optimizer state."""
     first = model_state(load_checkpoint(paths[0], mmap=True), weights, paths[0])
     out = {key: (torch.empty_like(t, device="cpu") if torch.is_floating_point(t)
                  else t.clone()) for key, t in first.items()}
@@ -194,8 +199,9 @@ def average_checkpoints(paths: Sequence[Path], output: Path,
     it, else raw); the output holds the averaged weights as its plain model.
 
     Files are read memory-mapped and only their weights are touched (never the optimizer
-    state: Adam's moments are twice the weights), one file at a time, in PASSES passes:
-    peak memory stays near one model's weights, however many files are averaged.
+    state: Adam's moments are twice the weights), one file at a time, in passes of
+    PASS_BYTES (at most MAX_PASSES): peak memory stays near one model's weights, however
+    many files are averaged.
     """
     if not paths:
         raise UsageError("nothing to average: no checkpoints given")

@@ -18,13 +18,17 @@ import unicodedata
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from sacremoses import MosesPunctNormalizer
 
 from nmt.data.dedup import DigestSet, pair_digest
 from nmt.data.recipes import Cleaning
+
+# sacremoses is imported where it is used: its import takes 0.7 s, which every `nmt`
+# command (all of them import this module through cli.prep) would pay otherwise.
+if TYPE_CHECKING:
+    from sacremoses import MosesPunctNormalizer
 
 Pair = tuple[str, str]
 # In the order applied; Counts records the pairs left after each.
@@ -82,6 +86,8 @@ def punct_normalizer(lang: str) -> MosesPunctNormalizer:
     those two rules are the only differences (German: 7 of 29,000 Multi30k training lines,
     38 and 52 of the 3,000 / 3,003 newstest lines; English: none).
     """
+    from sacremoses import MosesPunctNormalizer
+
     return MosesPunctNormalizer(lang=lang, penn=True)
 
 
