@@ -116,8 +116,11 @@ def steps(only: list[str], dry: bool, work: Path, quality_minutes: float) -> lis
                                     "--out", str(work / half), "--data", str(data)],
                              dry_cap if dry else cap))
     if "train" in only:
-        plan.append(Step("matmul_peak", [PY, "-c", PEAK_CODE, "1024" if dry else "8192"], 60))
-        common = ["--smoke"] if dry else ["--steps", "8", "--warmup", "3"]
+        plan.append(Step("matmul_peak", [PY, "-c", PEAK_CODE, "256" if dry else "8192"], 60))
+        # The dry run's speed steps train in fp32: they check that each command runs, and
+        # bf16 is emulated on an AVX2-only CPU (24 s against 10 s for a `big` step on a Zen
+        # 3); the benches' bf16 smoke runs are tests/test_gpu_speed_benches.py's.
+        common = ["--smoke", "--precision", "fp32"] if dry else ["--steps", "8", "--warmup", "3"]
         plan.append(Step("train_base_1gpu_profile", [
             PY, "bench/gpu_train_speed.py", "--arch", "base", "--profile", *common],
             75 if not dry else 120))  # where the step time goes: busy fraction, kernels
@@ -129,7 +132,7 @@ def steps(only: list[str], dry: bool, work: Path, quality_minutes: float) -> lis
             plan.append(Step(f"train_{arch}_1gpu_one_micro", [
                 PY, "bench/gpu_train_speed.py", "--arch", arch, "--update-freq", "1",
                 "--max-tokens", "1024" if dry else "27000", "--loss", "fused",
-                *(["--smoke"] if dry else ["--steps", "6", "--warmup", "2"])],
+                *(common if dry else ["--steps", "6", "--warmup", "2"])],
                 60 if not dry else 120))
         for arch in ("base", "big"):
             for gpus in ("1", "8"):

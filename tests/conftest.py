@@ -6,7 +6,7 @@ import contextlib
 import getpass
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -88,16 +88,43 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(make_vocab(shared_data_path("multi30k"), work), work / "model.pt")
 
 
+def once_per_session(tmp_path_factory: pytest.TempPathFactory, name: str,
+                     make: Callable[[Path], Path]) -> Path:
+    """`make(directory)` run once per test session, also when pytest-xdist's workers (`make
+    test`: two) each ask: the first builds it under the session's shared temp root while
+    holding a lock, the others wait and take its result. For the fixtures that cost a
+    minute or more to build."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return make(tmp_path_factory.mktemp(name))
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp().parent / name  # popen-gwN's parent: this session
+    root.mkdir(exist_ok=True)
+    with open(root / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        done = root / "result"
+        if done.is_file():
+            return Path(done.read_text(encoding="utf-8"))
+        result = make(root / "work")
+        done.write_text(str(result), encoding="utf-8")
+        return result
+
+
 @pytest.fixture(scope="session")
 def multi30k_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny model trained briefly on Multi30k (a real, if weak, translation model),
-    trained once per session for the exporters' tests."""
+    trained once per session (and once for all workers) for the exporters' tests."""
+    shared_data_path("multi30k")  # skips here, in the test's own process, when absent
+    return once_per_session(tmp_path_factory, "multi30k-model", _train_multi30k_model)
+
+
+def _train_multi30k_model(work: Path) -> Path:
     from helpers.data import train_one_thread, write_text_data
 
     from nmt.config import TrainConfig, model_preset
 
     base = shared_data_path("multi30k")
-    work = tmp_path_factory.mktemp("multi30k-model")
+    work.mkdir(parents=True, exist_ok=True)
     en = (base / "train.en").read_text(encoding="utf-8").splitlines()[:12000]
     de = (base / "train.de").read_text(encoding="utf-8").splitlines()[:12000]
     data = write_text_data(work / "data", {"train": list(zip(en, de, strict=True)),
