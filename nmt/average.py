@@ -88,7 +88,7 @@ def _passes(state: Mapping[str, torch.Tensor]) -> list[list[Piece]]:
     either)."""
     floats = {k: v for k, v in state.items() if torch.is_floating_point(v)}
     total = sum(v.numel() * v.element_size() for v in floats.values())
-    budget = max(1.0, PASS_BYTES, total / MAX_PASSES)
+    budget = max(PASS_BYTES, total / MAX_PASSES)
     passes: list[list[Piece]] = [[]]
     size = 0.0
     for key in sorted(floats):
