@@ -57,15 +57,10 @@ test: $(VENV)/.installed-dev
 	$(PYTEST)
 	$(AVX2_ENV) $(PYTEST) -m isa
 
-# The trainer's heap in transparent huge pages (glibc 2.35+; ignored elsewhere): a training
-# process otherwise slows as it runs (docs/training.md, "The heap in huge pages").
-# `make demo TRAIN_ENV=` trains without it.
-TRAIN_ENV ?= GLIBC_TUNABLES=glibc.malloc.hugetlb=1
-
 demo: install
 	$(NMT) prep $(RECIPE) -o $(DATA) $(if $(MIRROR),--mirror $(MIRROR))
 	$(NMT) bpe $(DATA)
-	$(if $(TRAIN_ENV),env $(TRAIN_ENV)) $(NMT) train $(DATA) -o $(RUN) --max-minutes $(MINUTES)
+	$(NMT) train $(DATA) -o $(RUN) --max-minutes $(MINUTES)
 	$(NMT) average $(RUN) --last 5 -o $(RUN)/average.pt
 	@if [ -n "$(ALPHA)" ]; then echo "$(ALPHA)" > $(RUN)/alpha; else \
 	  for a in $(ALPHAS); do \

@@ -8,6 +8,7 @@ import typer
 
 from cli import average, bpe, export, plot, prep, score, serve, shortlist, train, translate
 from nmt import __version__
+from nmt.host_memory import reexec_with_huge_page_heap
 
 
 def _hide_flag_types() -> None:
@@ -71,7 +72,10 @@ def _root(
 
 
 def main() -> None:
-    """Console-script entry point: UTF-8 everywhere, then the Typer app."""
+    """Console-script entry point: UTF-8 everywhere, then the Typer app. `nmt train` first
+    re-executes itself with glibc's heap in huge pages (nmt/host_memory.py)."""
+    if sys.argv[1:2] == ["train"]:
+        reexec_with_huge_page_heap()
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(encoding="utf-8", errors="replace")

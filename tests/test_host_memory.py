@@ -1,5 +1,6 @@
-"""keep_freed_memory and size_onednn_cache: the CPU memory policy of nmt/host_memory.py, and
-the oneDNN kernel cache a translator sizes before its first primitive."""
+"""keep_freed_memory, size_onednn_cache and the heap in huge pages: the CPU memory policy of
+nmt/host_memory.py, the oneDNN kernel cache a translator sizes before its first primitive,
+and `nmt train`'s re-execution with glibc's heap in transparent huge pages."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ import torch
 from nmt.host_memory import (
     INFERENCE_ONEDNN_CACHE,
     TRAIN_ONEDNN_CACHE,
+    heap_in_huge_pages,
+    huge_page_heap_env,
     keep_freed_memory,
     size_onednn_cache,
+    thp_mode,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,3 +99,73 @@ def test_a_translator_keeps_thousands_of_kernels(tmp_path: Path):
     capacity, built = _primitives_built(ckpt, "1024")
     assert capacity == "1024"
     assert built >= 2200
+
+
+GLIBC = ("glibc", "2.36")
+HUGE = "glibc.malloc.hugetlb=1"
+
+
+@pytest.mark.parametrize("environ, libc, mode, tunables", [
+    ({}, GLIBC, "madvise", HUGE),
+    ({}, GLIBC, "always", HUGE),
+    ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, GLIBC, "madvise",
+     "glibc.malloc.arena_max=2:" + HUGE),  # the user's other tunables kept
+    ({}, ("glibc", "2.35"), "madvise", HUGE),
+    ({}, ("glibc", "2.34"), "madvise", None),  # before the tunable existed
+    ({}, ("", ""), "madvise", None),  # musl, macOS
+    ({}, GLIBC, "never", None),
+    ({}, GLIBC, None, None),  # a kernel without THP
+    ({"GLIBC_TUNABLES": HUGE}, GLIBC, "madvise", None),  # already re-executed
+    ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, GLIBC, "madvise", None),  # the user's no
+    ({"NMT_HUGE_PAGE_HEAP": "0"}, GLIBC, "madvise", None),
+])
+def test_huge_page_heap_env_decides_when_to_re_execute(environ, libc, mode, tunables):
+    env = huge_page_heap_env({"PATH": "/bin", **environ}, libc, mode)
+    if tunables is None:
+        assert env is None
+    else:
+        assert env == {"PATH": "/bin", **environ, "GLIBC_TUNABLES": tunables}
+        assert heap_in_huge_pages(env)
+
+
+@pytest.mark.parametrize("tunables, on", [
+    (None, False), ("", False), (HUGE, True), ("glibc.malloc.hugetlb=0", False),
+    ("glibc.malloc.arena_max=2:" + HUGE, True), (HUGE + ":glibc.malloc.hugetlb=0", False),
+    ("glibc.malloc.hugetlb=2", False),  # 2 is hugetlbfs pages, not what the trainer asks
+])
+def test_heap_in_huge_pages_reads_the_last_setting(tunables, on):
+    assert heap_in_huge_pages({} if tunables is None else {"GLIBC_TUNABLES": tunables}) is on
+
+
+def test_thp_mode_reads_the_bracketed_mode(tmp_path: Path):
+    mode = tmp_path / "enabled"
+    mode.write_text("always [madvise] never\n")
+    assert thp_mode(str(mode)) == "madvise"
+    mode.write_text("[always] madvise never\n")
+    assert thp_mode(str(mode)) == "always"
+    assert thp_mode(str(tmp_path / "absent")) is None
+
+
+# The child prints its GLIBC_TUNABLES on every start, then runs the CLI: a re-executed
+# process prints twice.
+_SHOW_TUNABLES = ("import os, sys; print('tunables=' + os.environ.get('GLIBC_TUNABLES', ''), "
+                  "file=sys.stderr, flush=True); from cli.main import main; main()")
+
+
+def test_only_nmt_train_re_executes_with_the_heap_in_huge_pages(tmp_path: Path, nmt_cli):
+    cli = nmt_cli.instrumented(_SHOW_TUNABLES)
+    env = {"GLIBC_TUNABLES": None, "NMT_HUGE_PAGE_HEAP": None}
+    applies = huge_page_heap_env(cli.env(env), platform.libc_ver(), thp_mode()) is not None
+    train = cli.run("train", tmp_path / "absent", "-o", tmp_path / "run", env=env)
+    assert train.returncode not in (0, -9), train.err  # the missing data dir's error
+    starts = [line for line in train.err.splitlines() if line.startswith("tunables=")]
+    assert starts == (["tunables=", "tunables=" + HUGE] if applies else ["tunables="])
+    assert sum("absent" in line for line in train.err.splitlines()) == 1  # said once
+    off = cli.run("train", tmp_path / "absent", "-o", tmp_path / "run",
+                  env={**env, "NMT_HUGE_PAGE_HEAP": "0"})
+    assert [line for line in off.err.splitlines() if line.startswith("tunables=")] == [
+        "tunables="]
+    score = cli.run("score", "--help", env=env)  # other commands are left alone
+    assert score.returncode == 0
+    assert [line for line in score.err.splitlines() if line.startswith("tunables=")] == [
+        "tunables="]
