@@ -24,6 +24,8 @@ import platform
 import sys
 from collections.abc import Mapping
 
+from nmt.switches import switch
+
 _M_TRIM_THRESHOLD = -1  # glibc mallopt parameters (malloc.h)
 _M_MMAP_MAX = -4
 _done = False
@@ -77,7 +79,6 @@ def size_onednn_cache(capacity: int) -> None:
 
 
 HUGETLB_TUNABLE = "glibc.malloc.hugetlb"  # glibc 2.35+: 1 = madvise the heap's huge pages
-HUGE_PAGE_HEAP_OFF = "NMT_HUGE_PAGE_HEAP"  # "0": `nmt train` leaves the heap as it is
 _THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -105,10 +106,8 @@ def huge_page_heap_env(environ: Mapping[str, str], libc: tuple[str, str],
     """The environment to re-execute a training process in so that glibc (`libc`, as
     platform.libc_ver() gives it) puts its heap in transparent huge pages (THP `mode`);
     None where that cannot apply or is decided already: not glibc 2.35+, THP never or
-    absent, a GLIBC_TUNABLES that sets the tunable either way (the user's choice stands,
-    and a process started with it is not re-executed again), or NMT_HUGE_PAGE_HEAP=0."""
-    if environ.get(HUGE_PAGE_HEAP_OFF, "1") == "0":
-        return None
+    absent, or a GLIBC_TUNABLES that sets the tunable either way (the user's choice stands,
+    and a process started with it is not re-executed again)."""
     if libc[0] != "glibc" or _glibc_version(libc[1]) < (2, 35):
         return None
     if mode not in ("always", "madvise"):
@@ -133,7 +132,10 @@ def heap_in_huge_pages(environ: Mapping[str, str] = os.environ) -> bool:
 def reexec_with_huge_page_heap() -> None:
     """Replace this process by the same command line with glibc's heap in huge pages
     (huge_page_heap_env), once; returns where that does not apply or exec fails. Only
-    for a process's entry point, before it has done anything (the CLI's `nmt train`)."""
+    for a process's entry point, before it has done anything (the CLI's `nmt train`);
+    the switch NMT_HUGE_PAGE_HEAP=0 turns it off."""
+    if switch("NMT_HUGE_PAGE_HEAP") == "0":
+        return
     env = huge_page_heap_env(os.environ, platform.libc_ver(), thp_mode())
     if env is None or not sys.executable:
         return

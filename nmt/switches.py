@@ -56,6 +56,9 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "where it is faster (nmt/inference/int8_linear.py)"),
     Switch("NMT_INT8_OUTPUT", "1", "0 keeps an int8 model's vocabulary projection in fp32 "
            "(nmt/inference/int8_linear.py)"),
+    Switch("NMT_HUGE_PAGE_HEAP", "1", "0 keeps `nmt train`'s heap in 4 KiB pages instead of "
+           "re-executing it with glibc's heap in transparent huge pages "
+           "(nmt/host_memory.py)"),
     Switch("NMT_SHORTLIST_REST", "1", "0 normalises a shortlist's log-probabilities over "
            "its candidates alone (as Marian and CTranslate2 do) instead of counting the "
            "estimated mass of the pieces it leaves out (nmt/inference/rest_mass.py)"),
