@@ -101,20 +101,29 @@ def _glibc_version(version: str) -> tuple[int, ...]:
         return (0,)
 
 
-def huge_page_heap_env(environ: Mapping[str, str], libc: tuple[str, str],
-                       mode: str | None) -> dict[str, str] | None:
+def _hugetlb_settings(environ: Mapping[str, str]) -> list[str]:
+    """The values GLIBC_TUNABLES gives the heap's huge-page tunable, in order."""
+    return [item.partition("=")[2] for item in environ.get("GLIBC_TUNABLES", "").split(":")
+            if item.partition("=")[0] == HUGETLB_TUNABLE]
+
+
+def huge_page_heap_env(environ: Mapping[str, str], libc: tuple[str, str] | None = None,
+                       mode: str | None = "") -> dict[str, str] | None:
     """The environment to re-execute a training process in so that glibc (`libc`, as
-    platform.libc_ver() gives it) puts its heap in transparent huge pages (THP `mode`);
-    None where that cannot apply or is decided already: not glibc 2.35+, THP never or
-    absent, or a GLIBC_TUNABLES that sets the tunable either way (the user's choice stands,
-    and a process started with it is not re-executed again)."""
+    platform.libc_ver() gives it; this machine's by default) puts its heap in transparent
+    huge pages (THP `mode`; this kernel's by default); None where that cannot apply or is
+    decided already: not glibc 2.35+, THP never or absent, or a GLIBC_TUNABLES that sets
+    the tunable either way (the user's choice stands, and a process started with it is not
+    re-executed again)."""
+    libc = platform.libc_ver() if libc is None else libc
+    mode = thp_mode() if mode == "" else mode
     if libc[0] != "glibc" or _glibc_version(libc[1]) < (2, 35):
         return None
     if mode not in ("always", "madvise"):
         return None
-    tunables = environ.get("GLIBC_TUNABLES", "")
-    if HUGETLB_TUNABLE in tunables:
+    if _hugetlb_settings(environ):
         return None
+    tunables = environ.get("GLIBC_TUNABLES", "")
     env = dict(environ)
     setting = f"{HUGETLB_TUNABLE}=1"
     env["GLIBC_TUNABLES"] = f"{tunables}:{setting}" if tunables else setting
@@ -124,8 +133,7 @@ def huge_page_heap_env(environ: Mapping[str, str], libc: tuple[str, str],
 def heap_in_huge_pages(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether this process was started with glibc's heap in huge pages (its last
     setting of the tunable is 1)."""
-    settings = [item.partition("=")[2] for item in environ.get("GLIBC_TUNABLES", "").split(":")
-                if item.partition("=")[0] == HUGETLB_TUNABLE]
+    settings = _hugetlb_settings(environ)
     return bool(settings) and settings[-1] == "1"
 
 
@@ -136,7 +144,7 @@ def reexec_with_huge_page_heap() -> None:
     the switch NMT_HUGE_PAGE_HEAP=0 turns it off."""
     if switch("NMT_HUGE_PAGE_HEAP") == "0":
         return
-    env = huge_page_heap_env(os.environ, platform.libc_ver(), thp_mode())
+    env = huge_page_heap_env(os.environ)
     if env is None or not sys.executable:
         return
     for stream in (sys.stdout, sys.stderr):

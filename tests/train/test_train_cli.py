@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import platform
 import shutil
 
 import pytest
 from helpers.data import multi30k_data
 
 from nmt.checkpoint import load_checkpoint
-from nmt.host_memory import heap_in_huge_pages, huge_page_heap_env, thp_mode
+from nmt.host_memory import heap_in_huge_pages, huge_page_heap_env
 from nmt.train.log import read_jsonl
 
 
@@ -31,8 +30,7 @@ def test_cli_trains_resumes_and_logs(m30k_data, tmp_path, nmt_cli):
     assert done.out == ""  # data only on stdout; progress and messages on stderr
     assert "update 6" in done.err and "checkpoint_6.pt" in done.err
     env = nmt_cli.env()  # the trainer re-executed itself with the heap in huge pages
-    huge = heap_in_huge_pages(env) or huge_page_heap_env(env, platform.libc_ver(),
-                                                         thp_mode()) is not None
+    huge = heap_in_huge_pages(env) or huge_page_heap_env(env) is not None
     assert ("heap in transparent huge pages" in done.err) is huge
     assert sorted(p.name for p in run.glob("checkpoint_*.pt")) == [
         "checkpoint_3.pt", "checkpoint_6.pt", "checkpoint_best.pt", "checkpoint_last.pt"]
