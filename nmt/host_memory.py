@@ -79,6 +79,7 @@ def size_onednn_cache(capacity: int) -> None:
 
 
 HUGETLB_TUNABLE = "glibc.malloc.hugetlb"  # glibc 2.35+: 1 = madvise the heap's huge pages
+HUGE_PAGE_SETTING = f"{HUGETLB_TUNABLE}=1"  # what `nmt train` adds to GLIBC_TUNABLES
 _THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -125,8 +126,8 @@ def huge_page_heap_env(environ: Mapping[str, str], libc: tuple[str, str] | None 
         return None
     tunables = environ.get("GLIBC_TUNABLES", "")
     env = dict(environ)
-    setting = f"{HUGETLB_TUNABLE}=1"
-    env["GLIBC_TUNABLES"] = f"{tunables}:{setting}" if tunables else setting
+    env["GLIBC_TUNABLES"] = (f"{tunables}:{HUGE_PAGE_SETTING}" if tunables
+                             else HUGE_PAGE_SETTING)
     return env
 
 

@@ -26,7 +26,7 @@ from nmt.config import ModelConfig, TrainConfig
 from nmt.data.batch_tokens import derive_batching
 from nmt.data.dataset import ParallelData, language_pair, load_vocab
 from nmt.errors import Preempted, TrainingAborted
-from nmt.host_memory import heap_in_huge_pages
+from nmt.host_memory import HUGE_PAGE_SETTING, heap_in_huge_pages
 from nmt.precision import precision_note
 from nmt.train.best import BestTracker
 from nmt.train.distributed import (
@@ -191,8 +191,8 @@ class Trainer:
             self.ema = resumed.ema
             self.notes += resumed.notes
         if self.device.type == "cpu" and heap_in_huge_pages():
-            self.notes.append("heap in transparent huge pages (GLIBC_TUNABLES=glibc.malloc."
-                              "hugetlb=1; NMT_HUGE_PAGE_HEAP=0 keeps 4 KiB pages)")
+            self.notes.append("heap in transparent huge pages (GLIBC_TUNABLES="
+                              f"{HUGE_PAGE_SETTING}; NMT_HUGE_PAGE_HEAP=0 keeps 4 KiB pages)")
         self.initialised_from: Path | None = None
         if init_from is not None and self.resumed_from == 0:
             self.ema, note = initialise_from(Path(init_from), self.model_cfg, self.vocab.proto,
