@@ -43,12 +43,15 @@ PYTEST := $(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 .PHONY: demo install test gpu-visit-files
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# The C kernels are compiled by the install (setup.py): a change to them reinstalls.
+KERNEL_SOURCES := setup.py $(wildcard nmt/kernels/*.c nmt/kernels/*.h) nmt/kernels/levels.py
+
+$(VENV)/.installed: pyproject.toml $(KERNEL_SOURCES)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q torch==2.13.0 -e .
 	touch $@
 
-$(VENV)/.installed-dev: pyproject.toml
+$(VENV)/.installed-dev: pyproject.toml $(KERNEL_SOURCES)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q torch==2.13.0 -e '.[dev]'
 	touch $@ $(VENV)/.installed

@@ -6,7 +6,19 @@ import sys
 
 import typer
 
-from cli import average, bpe, export, plot, prep, score, serve, shortlist, train, translate
+from cli import (
+    average,
+    bpe,
+    doctor,
+    export,
+    plot,
+    prep,
+    score,
+    serve,
+    shortlist,
+    train,
+    translate,
+)
 from nmt import __version__
 from nmt.host_memory import reexec_with_huge_page_heap
 
@@ -53,6 +65,8 @@ app.command("plot", help="Plot a run's training curves as a PNG (needs "
             "nmt\\[plot]).")(plot.command)
 app.command("serve", help="Serve models over HTTP: LibreTranslate's API and a native one "
             "(needs nmt\\[serve]).")(serve.command)
+app.command("doctor", help="What this machine and install give nmt: CPU class, kernels, "
+            "precision, threads, GPUs (--json for bug reports).")(doctor.command)
 app.add_typer(export.app, name="export", help="Export a checkpoint for CTranslate2 (needs "
               "nmt\\[ct2]) or Hugging Face transformers (needs nmt\\[hf]).")
 

@@ -1,11 +1,11 @@
 """Mixed precision policy: which autocast context each --precision value means.
 
-`auto` on a CPU picks bf16 only where it pays: oneDNN must compute bf16 natively
-(AVX512-BF16 or AMX) and a bf16 matmul must run measurably faster than an fp32 one here
-(`cpu_bf16_speedup`, measured once per machine and cached). Native is not enough: an Intel
-Xeon without AMX (or whose AMX its hypervisor hides) runs bf16 through AVX512-BF16 slower
-than fp32, and trains slower in it (docs/performance.md, "CPU classes").
-The documented way to see what a CPU without native bf16 gets is oneDNN's own cap:
+`auto` on a CPU picks bf16 only where it pays (`bf16_rule`, from the CPU's features): oneDNN
+must compute bf16 natively (AVX512-BF16 or AMX), and the CPU be of a kind whose bf16
+matmuls measured faster than fp32's. Native is not enough: an Intel Xeon without AMX (or
+whose AMX its hypervisor hides) runs bf16 through AVX512-BF16 slower than fp32, and trains
+slower in it (docs/performance.md, "CPU classes"); `nmt doctor` measures it on the CPU at
+hand. The documented way to see what a CPU without native bf16 gets is oneDNN's own cap:
 `ONEDNN_MAX_CPU_ISA=AVX2` (or `AVX512_CORE`) makes `auto` resolve to fp32 and every oneDNN
 kernel run its AVX2 code. An explicit bf16/fp16 on a CPU where it is slow is allowed but
 named, with its measured cost (`precision_note`).
@@ -14,31 +14,18 @@ named, with its measured cost (`precision_note`).
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
-import json
-import os
-import platform
 import time
 
 import torch
 
 from nmt.cores import cpu_info
 from nmt.errors import UsageError
-from nmt.fileio import atomic_write_bytes
-
-try:
-    import fcntl
-except ImportError:  # not POSIX: no lock, each process measures alike anyway
-    fcntl = None  # type: ignore[assignment]
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-# `auto` takes bf16 on a CPU only where its matmul is at least this many times fp32's speed:
-# near parity fp32 wins (no casts in training, full precision).
+# `auto` takes bf16 on a CPU only where its matmul measured at least this many times fp32's
+# speed on CPUs of its kind (`bf16_rule`): near parity fp32 wins (no casts in training, full
+# precision).
 BF16_PAYS_FROM = 1.15
-# What the measurement depends on besides the CPU and torch: the kernel libraries' ISA caps.
-_ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
-            "MKL_ENABLE_INSTRUCTIONS")
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
@@ -57,44 +44,27 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 
 
 def cpu_bf16_pays() -> bool:
-    """Whether `auto` takes bf16 on this CPU: native, and its matmul at least
-    BF16_PAYS_FROM times fp32's speed."""
-    return cpu_native("bf16") and cpu_bf16_speedup() >= BF16_PAYS_FROM
+    """Whether `auto` takes bf16 on this CPU (`bf16_rule`)."""
+    return bf16_rule()[0]
 
 
-@functools.cache
-def cpu_bf16_speedup() -> float:
-    """fp32's time over bf16's for one matmul on this CPU (> 1: bf16 is faster), measured
-    once per machine (CPU model and flags, torch version, ISA caps) and kept in the cache
-    directory, so every run and every rank of a run decides alike; the first process
-    measures under a file lock while the others wait. Measured in-process where the cache
-    cannot be written."""
-    from nmt.native import cache_dir  # where the C kernels are cached too
+def bf16_rule() -> tuple[bool, str]:
+    """Whether bf16 trains and translates faster than fp32 on this CPU, from its features
+    (the ISA caps in force included), and why: oneDNN must compute bf16 natively, and the
+    CPU be one whose bf16 matmuls measured faster than fp32's (at least BF16_PAYS_FROM
+    times): AMX (Intel Xeon 4th generation and later), or AVX512-BF16 on an AMD CPU (Zen 4
+    and later). An Intel CPU with AVX512-BF16 but no AMX (Cooper Lake, or a Xeon whose
+    hypervisor hides AMX) measured about half fp32's speed (docs/performance.md)."""
+    from nmt import kernels  # the CPU's flags and caps, as the C kernels are chosen
 
-    path = cache_dir() / f"bf16-speed-{_machine_key()}.json"
-    try:
-        with open(path.with_suffix(".lock"), "a+b") as lock:
-            if fcntl is not None:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                return float(json.loads(path.read_text(encoding="utf-8"))["speedup"])
-            except (OSError, ValueError, KeyError, TypeError):
-                pass
-            record = measure_bf16_speedup()
-            atomic_write_bytes(path, lambda out: out.write(json.dumps(record).encode()))
-            return float(record["speedup"])
-    except OSError:
-        return float(measure_bf16_speedup()["speedup"])
-
-
-def _machine_key() -> str:
-    """A short hash of what `cpu_bf16_speedup` depends on."""
-    info = cpu_info()
-    cpu = [info.get("model name") or platform.processor(), info.get("flags", ""),
-           platform.machine()]
-    caps = [f"{name}={os.environ.get(name, '')}" for name in _ISA_ENV]
-    text = "\n".join([*cpu, torch.__version__, *caps])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    if not cpu_native("bf16"):
+        return False, "no native bf16 (no AVX512-BF16 or AMX, or capped by ONEDNN_MAX_CPU_ISA)"
+    if kernels.allowed("amx") is None:
+        return True, "AMX computes bf16 matmuls faster than fp32"
+    if kernels.allowed("avx512_bf16") is None and cpu_info().get("vendor_id") == "AuthenticAMD":
+        return True, "an AMD CPU's AVX512-BF16 computes bf16 matmuls faster than fp32"
+    return False, ("native bf16 without AMX on this CPU runs its matmuls slower than fp32 "
+                   "(AVX512-BF16 on an Intel CPU: about half fp32's speed)")
 
 
 def measure_bf16_speedup(size: int = 512, repeats: int = 7) -> dict[str, float]:
@@ -181,14 +151,12 @@ def precision_note(precision: str, device: torch.device, training: bool,
                 f"no AVX512-{precision.upper()}/AMX, or capped by ONEDNN_MAX_CPU_ISA); one "
                 f"linear {what} measured {slowdown:.1f}x slower than fp32 here. "
                 f"--precision auto picks {resolve_precision('auto', device)}")
-    native_slow = cpu_native("bf16") and not cpu_bf16_pays()
+    pays, why = bf16_rule()
+    native_slow = cpu_native("bf16") and not pays
     if precision == "bf16" and native_slow:
-        return (f"slow: this CPU computes bf16 natively, but its bf16 matmul measured "
-                f"{cpu_bf16_speedup():.2f}x fp32's speed here (AVX512-BF16 without AMX "
-                f"does that). --precision auto picks fp32")
+        return f"slow: {why}. --precision auto picks fp32"
     if setting == "auto" and precision == "fp32" and native_slow:
-        return (f"auto: fp32, as this CPU's native bf16 matmul measured "
-                f"{cpu_bf16_speedup():.2f}x fp32's speed here")
+        return f"auto: fp32, as {why}"
     return None
 
 

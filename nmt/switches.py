@@ -22,6 +22,8 @@ class Switch(NamedTuple):
 
 
 SWITCHES: dict[str, Switch] = {s.name: s for s in (
+    Switch("NMT_KERNELS", "1", "0 runs PyTorch's ops in place of every one of nmt's C kernels "
+           "(nmt/kernels)"),
     Switch("NMT_DEFER_STATS", "", "1 or 0 forces the trainer's deferred (CUDA's) or in-line "
            "statistics path; unset: deferred on CUDA only (nmt/train/step.py)"),
     Switch("NMT_CHECK_LAYOUT", "0", "1 verifies every reorder layout the search promises the "

@@ -5,8 +5,8 @@ from the source with `ast`: every import of every module, lazy ones inside funct
 - Packages layer one way: nmt.data and nmt.model use only the shared top-level modules,
   nmt.inference adds them, nmt.train adds nmt.inference; the shared modules reach up only
   where checkpoint builds a model (`load_model`, lazily).
-- The network (nmt.model) is torch, nmt.config, nmt.errors, nmt.switches and nmt.native
-  (which builds its C kernel) alone.
+- The network (nmt.model) is torch, nmt.config, nmt.errors, nmt.switches and nmt.kernels
+  (which loads its C kernel) alone.
 - `nmt/inference/search.py` is pure algorithms: torch, the standard library, the special ids
   and its step's candidate kernel (nmt/inference/step_topk.py, computation only).
 - Caches live in one place: only nmt/inference/decoding.py imports the cache (kv_cache.py);
@@ -30,10 +30,12 @@ LIBRARY = REPO / "nmt"
 FORBIDDEN_IN_LIBRARY = {"cli", "typer", "rich"}  # rich: progress bars are drawn by cli/
 SEARCH_MAY_IMPORT = {"torch", "nmt.special_ids", "nmt.inference.step_topk"}
 # besides torch and nmt.model:
-NETWORK_MAY_IMPORT = {"nmt.config", "nmt.errors", "nmt.native", "nmt.switches"}
+NETWORK_MAY_IMPORT = {"nmt.config", "nmt.errors", "nmt.kernels", "nmt.kernels.levels", "nmt.cores",
+                      "nmt.switches"}
 CACHE_OWNERS = {"nmt.inference.decoding"}  # the only importers of the caches
 CACHES = {"nmt.inference.kv_cache"}
-PACKAGES = ("nmt.data", "nmt.model", "nmt.inference", "nmt.train", "nmt.api", "nmt.serve")
+PACKAGES = ("nmt.data", "nmt.model", "nmt.inference", "nmt.train", "nmt.api", "nmt.serve",
+            "nmt.doctor")
 # What each layer may import besides the standard library, torch and the other packages:
 # "shared" is every top-level module of nmt (config, checkpoint, errors, ...).
 MAY_IMPORT = {
@@ -44,6 +46,7 @@ MAY_IMPORT = {
     "nmt.train": {"shared", "nmt.data", "nmt.model", "nmt.inference", "nmt.train"},
     "nmt.api": {"shared", "nmt.data", "nmt.model", "nmt.inference"},
     "nmt.serve": {"shared", "nmt.data", "nmt.model", "nmt.inference", "nmt.api", "nmt.serve"},
+    "nmt.doctor": {"shared", "nmt.data", "nmt.model", "nmt.inference"},
 }
 # The shared module that builds a model from its file, and what it reaches for.
 REACHES_UP = {"nmt.checkpoint": {"nmt.model.transformer", "nmt.data.vocab"},

@@ -1,13 +1,13 @@
 """--precision auto and slow half precision on a CPU: what each CPU class gets.
 
-`auto` asks oneDNN whether bf16 is native and takes it where it also measured faster than
-fp32 (cached per machine); `ONEDNN_MAX_CPU_ISA=AVX2` is the documented way to make oneDNN
-answer no (what an AVX2-only CPU answers). An explicit bf16 where it is emulated or slower
-than fp32 is named with its measured cost (`precision_note`)."""
+`auto` takes bf16 where oneDNN computes it natively and the CPU is of a kind whose bf16
+matmuls measured faster than fp32's: AMX, or AVX512-BF16 on an AMD CPU (`bf16_rule`, from
+the CPU's features: nothing measured or cached per run); `ONEDNN_MAX_CPU_ISA=AVX2` is the
+documented way to make oneDNN answer no (what an AVX2-only CPU answers). An explicit bf16
+where it is emulated or slower than fp32 is named with its cost (`precision_note`)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -16,7 +16,9 @@ import pytest
 import torch
 
 import nmt.precision as precision_policy
+from nmt import kernels
 from nmt.precision import (
+    bf16_rule,
     cpu_bf16_pays,
     cpu_native,
     measure_bf16_speedup,
@@ -30,7 +32,7 @@ CPU = torch.device("cpu")
 PROBE = ("from nmt.precision import precision_note, resolve_precision; import torch; "
          "cpu = torch.device('cpu'); print(resolve_precision('auto', cpu)); "
          "print(precision_note('bf16', cpu, True))")
-SPEED_PROBE = "from nmt.precision import cpu_bf16_speedup; print(cpu_bf16_speedup())"
+BASE = "avx2 fma f16c avx512f avx512cd avx512bw avx512dq avx512vl avx512_bf16 avx512_vnni"
 
 
 def run_probe(probe: str = PROBE, **env: str) -> list[str]:
@@ -40,53 +42,46 @@ def run_probe(probe: str = PROBE, **env: str) -> list[str]:
     return result.stdout.splitlines()
 
 
-def test_auto_follows_native_bf16_that_pays() -> None:
-    assert cpu_bf16_pays() == (cpu_native("bf16") and precision_policy.cpu_bf16_speedup()
-                               >= precision_policy.BF16_PAYS_FROM)
+def test_auto_follows_the_rule() -> None:
+    assert cpu_bf16_pays() == bf16_rule()[0]
+    assert not cpu_bf16_pays() or cpu_native("bf16")
     assert resolve_precision("auto", CPU) == ("bf16" if cpu_bf16_pays() else "fp32")
     assert resolve_precision("fp32", CPU) == "fp32"
 
 
-@pytest.mark.parametrize("speedup", [0.52, 1.1, 1.9])
-def test_native_bf16_is_taken_only_where_it_is_faster(monkeypatch, speedup: float) -> None:
+@pytest.mark.parametrize(("vendor", "flags", "pays"), [
+    ("GenuineIntel", BASE + " amx_tile amx_bf16 amx_int8", True),  # Xeon with AMX
+    ("AuthenticAMD", BASE, True),  # Zen 4 / Zen 5
+    ("GenuineIntel", BASE, False),  # Cooper Lake, or a Xeon whose AMX is hidden
+])
+def test_native_bf16_is_taken_only_on_cpus_where_it_measured_faster(
+        monkeypatch, vendor: str, flags: str, pays: bool) -> None:
     """A CPU with native bf16 kernels that run them slower than fp32 (an Intel Xeon whose
     AMX the hypervisor hides: AVX512-BF16 at about half fp32's speed) gets fp32 from
-    `auto`, says why, and names an explicit bf16 as slow; a CPU where bf16 is faster by
-    BF16_PAYS_FROM or more gets bf16 and no note."""
+    `auto`, says why, and names an explicit bf16 as slow; AMX, or AVX512-BF16 on an AMD
+    CPU, gets bf16 and no note."""
+    for cap in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(cap, raising=False)
     monkeypatch.setattr(precision_policy, "cpu_native", lambda precision: True)
-    monkeypatch.setattr(precision_policy, "cpu_bf16_speedup", lambda: speedup)
-    pays = speedup >= precision_policy.BF16_PAYS_FROM
+    monkeypatch.setattr(precision_policy, "cpu_info", lambda: {"vendor_id": vendor})
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset(flags.split()))
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
     assert resolve_precision("auto", CPU) == ("bf16" if pays else "fp32")
     auto = precision_note(resolve_precision("auto", CPU), CPU, True, setting="auto")
     explicit = precision_note("bf16", CPU, False)
     if pays:
         assert auto is None and explicit is None
     else:
-        assert auto == (f"auto: fp32, as this CPU's native bf16 matmul measured "
-                        f"{speedup:.2f}x fp32's speed here")
-        assert explicit is not None and explicit.startswith(
-            "slow: this CPU computes bf16 natively, but its bf16 matmul measured "
-            f"{speedup:.2f}x fp32's speed here")
-        assert explicit.endswith("--precision auto picks fp32")
+        assert auto == "auto: fp32, as " + bf16_rule()[1]
+        assert explicit == "slow: " + bf16_rule()[1] + ". --precision auto picks fp32"
+        assert "about half fp32's speed" in explicit
     assert precision_note("fp32", CPU, True, setting="fp32") is None
 
 
-def test_bf16_speed_is_measured_once_per_machine_and_kept(tmp_path) -> None:
-    """The measurement is written to the cache directory and read back by later processes
-    (so every run and every rank decides alike), keyed by the ISA caps too."""
-    env = {"XDG_CACHE_HOME": str(tmp_path)}
-    first = float(run_probe(SPEED_PROBE, **env)[0])
-    files = list((tmp_path / "nmt").glob("bf16-speed-*.json"))
-    assert len(files) == 1 and first > 0
-    record = json.loads(files[0].read_text(encoding="utf-8"))
-    assert record["fp32_ms"] > 0 and record["bf16_ms"] > 0
-    assert record["speedup"] == pytest.approx(first)
-    files[0].write_text(json.dumps({**record, "speedup": 7.5}), encoding="utf-8")
-    assert float(run_probe(SPEED_PROBE, **env)[0]) == 7.5  # read, not measured again
-    other = "SSE41" if os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() == "AVX2" else "AVX2"
-    run_probe(SPEED_PROBE, ONEDNN_MAX_CPU_ISA=other, **env)  # another cap: another key
-    assert len(list((tmp_path / "nmt").glob("bf16-speed-*.json"))) == 2
-    assert not list((tmp_path / "nmt").glob("*.tmp"))  # written atomically
+def test_nothing_is_written_to_the_cache_directory(tmp_path) -> None:
+    """`auto` is decided from the CPU's features in every process: no timing is cached."""
+    run_probe(XDG_CACHE_HOME=str(tmp_path), HOME=str(tmp_path))
+    assert not any(tmp_path.rglob("*"))
 
 
 def test_the_measurement_leaves_one_thread_per_process_as_it_was() -> None:

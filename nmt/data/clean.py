@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import re
+import signal
 import threading
 import unicodedata
 from collections import deque
@@ -181,6 +182,14 @@ def chunked(pairs: Iterable[Pair], size: int) -> Iterator[list[Pair]]:
         yield chunk
 
 
+def _start_worker(initializer: Callable[..., None], *initargs: object) -> None:
+    """A pool worker's start: SIGTERM as a fresh process has it (a forked worker inherits
+    its parent's Python handler, which would raise where Pool.terminate means to end it,
+    and the pool's exit would wait for it forever), then `initializer`."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    initializer(*initargs)
+
+
 def ordered_map(fn: Callable[[Any], Any], items: Iterable[Any], workers: int,
                 initializer: Callable[..., None], initargs: tuple,
                 window: int = 4) -> Iterator[Any]:
@@ -194,7 +203,8 @@ def ordered_map(fn: Callable[[Any], Any], items: Iterable[Any], workers: int,
     method = ("fork" if threading.active_count() == 1
               and "fork" in multiprocessing.get_all_start_methods() else "spawn")
     ctx = multiprocessing.get_context(method)
-    with ctx.Pool(workers, initializer=initializer, initargs=initargs) as pool:
+    with ctx.Pool(workers, initializer=_start_worker, initargs=(initializer, *initargs)
+                  ) as pool:
         pending: deque = deque()
         for item in items:
             pending.append(pool.apply_async(fn, (item,)))

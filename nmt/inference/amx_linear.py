@@ -1,11 +1,11 @@
 """bf16 and int8 linear layers for CPU inference on Intel AMX through one C kernel
-(amx_linear.c).
+(nmt/kernels/amx_linear.c).
 
 Why: oneDNN compiles a kernel for every row count it meets, about 1 ms each with AMX, and
 beam search meets a new row count at almost every step: a worker process spends half a
 second of its first 1,000 lines compiling, each worker again, and with a shortlist every
-batch's new width compiles anew (docs/performance.md). The kernel here is compiled once per
-machine (nmt/native.py) and serves every shape; it is used for bf16 where the CPU has
+batch's new width compiles anew (docs/performance.md). The kernel here is compiled at install
+(nmt/kernels) and serves every shape; it is used for bf16 where the CPU has
 AMX-BF16 and the kernel builds and agrees with `F.linear` (checked once per process), in
 place of nmt/inference/packed_linear.py's oneDNN linears. NMT_AMX_LINEAR=0 turns it off.
 
@@ -21,18 +21,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-import nmt.native as native
-from nmt.cores import cpu_info
+from nmt import kernels
 from nmt.switches import switch
 
-SOURCE = Path(__file__).with_suffix(".c")
 PARAMS = 12  # P_COUNT of the C source
 OP_AVAILABLE, OP_PACK, OP_LINEAR, OP_AVAILABLE_I8, OP_PACK_I8, OP_LINEAR_I8 = range(6)
 K_STEP = 32  # bf16 in_features must be a multiple of this (one tile's depth)
@@ -44,7 +40,7 @@ def _pack(lib: ctypes.CDLL, weight: Tensor) -> Tensor:
     w = weight.detach().to(torch.bfloat16).contiguous()
     n, k = w.shape
     out = torch.empty((n + 31) // 32 * 32 * k, dtype=torch.bfloat16)
-    if native.call_linear(lib.nmt_amx_linear, OP_PACK, w=w.data_ptr(), n=n, k=k,
+    if kernels.call_linear(lib.nmt_amx_linear, OP_PACK, w=w.data_ptr(), n=n, k=k,
                           y=out.data_ptr()) != 0:
         raise RuntimeError("the AMX linear kernel failed to pack a weight")
     return out
@@ -61,7 +57,7 @@ def _linear(lib: ctypes.CDLL, x: Tensor, packed: Tensor, n: int, bias: Tensor | 
         rows = rows.contiguous()
     op, dtype = (OP_LINEAR, torch.bfloat16) if scale is None else (OP_LINEAR_I8, torch.float32)
     y = torch.empty(rows.size(0), n, dtype=dtype)  # (M, N)
-    status = native.call_linear(lib.nmt_amx_linear, op, x=rows.data_ptr(), m=rows.size(0),
+    status = kernels.call_linear(lib.nmt_amx_linear, op, x=rows.data_ptr(), m=rows.size(0),
                                 k=k, ldx=rows.stride(0), w=packed.data_ptr(), n=n,
                                 bias=0 if bias is None else bias.data_ptr(),
                                 y=y.data_ptr(), ldy=n, threads=threads,
@@ -75,7 +71,7 @@ def _agrees(lib: ctypes.CDLL) -> bool:
     """The kernel runs here (AMX granted) and matches F.linear to bf16 rounding: row counts
     below, at and past the 16- and 32-row blocks, a width that is no multiple of 16, with
     and without a bias, one and two threads."""
-    if native.call_linear(lib.nmt_amx_linear, OP_AVAILABLE) != 0:
+    if kernels.call_linear(lib.nmt_amx_linear, OP_AVAILABLE) != 0:
         return False
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(40, 64, generator=gen).bfloat16()
@@ -92,30 +88,19 @@ def _agrees(lib: ctypes.CDLL) -> bool:
     return True
 
 
-KERNEL = native.Kernel(SOURCE, "nmt_amx_linear", PARAMS, _agrees, "NMT_AMX_LINEAR",
-                       "the AMX bf16 linear kernel", "bf16 linears use oneDNN's")
+KERNEL = kernels.Kernel("amx_linear", "nmt_amx_linear", PARAMS, _agrees, "NMT_AMX_LINEAR")
 
 
-def has_amx(kind: str = "bf16") -> bool:
-    """Whether the CPU reports AMX tiles with `kind` ("bf16" or "int8") products
-    (/proc/cpuinfo)."""
-    flags = set(cpu_info().get("flags", "").split())
-    return {"amx_tile", f"amx_{kind}"} <= flags
-
-
-def capped() -> bool:
-    """Whether the kernels are capped below AMX for this process (ATEN_CPU_CAPABILITY, or
-    ONEDNN_MAX_CPU_ISA naming no AMX ISA): then a CPU without AMX is what is measured,
-    and oneDNN's bf16 layers without AMX are what such a CPU runs."""
-    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
-    return (native.isa_flags() != ("-march=native",)
-            or onednn not in ("", "ALL", "DEFAULT") and "AMX" not in onednn)
+def has_amx() -> bool:
+    """Whether this CPU has AMX (tiles, bf16 and int8 products) and no ISA cap rules it out
+    for this process: then oneDNN's bf16 layers and nmt's AMX kernel use it."""
+    return kernels.allowed("amx") is None
 
 
 def available() -> bool:
     """Whether bf16 linears should run on this kernel here: an AMX-BF16 CPU, no ISA cap
     below AMX, the kernel wanted (NMT_AMX_LINEAR), built and checked."""
-    return has_amx() and not capped() and KERNEL.enabled()
+    return has_amx() and KERNEL.enabled()
 
 
 class AmxLinear(nn.Module):
@@ -145,7 +130,7 @@ class AmxLinear(nn.Module):
     def c_entry(self) -> tuple[int, int]:
         """The C function (its address) and op that compute this layer, for a caller in C
         (nmt/inference/native_step.c), which passes `packed` and `bias` as `forward` does."""
-        return native.address(getattr(self.lib, KERNEL.entry)), OP_LINEAR
+        return kernels.address(getattr(self.lib, KERNEL.entry)), OP_LINEAR
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -162,7 +147,7 @@ def _pack_i8(lib: ctypes.CDLL, q: Tensor) -> Tensor:
     q = q.contiguous()
     n, k = q.shape
     out = torch.empty((n + 31) // 32 * 32 * k, dtype=torch.int8)
-    if native.call_linear(lib.nmt_amx_linear, OP_PACK_I8, w=q.data_ptr(), n=n, k=k,
+    if kernels.call_linear(lib.nmt_amx_linear, OP_PACK_I8, w=q.data_ptr(), n=n, k=k,
                           y=out.data_ptr()) != 0:
         raise RuntimeError("the AMX int8 kernel failed to pack a weight")
     return out
@@ -195,7 +180,7 @@ def _int8_agrees(lib: ctypes.CDLL) -> bool:
     """The int8 ops run and agree as exactly as float rounding allows: row counts below, at
     and past the 16- and 32-row blocks, a width no multiple of 16, with and without a
     bias, one and two threads."""
-    if native.call_linear(lib.nmt_amx_linear, OP_AVAILABLE_I8) != 0:
+    if kernels.call_linear(lib.nmt_amx_linear, OP_AVAILABLE_I8) != 0:
         return False
     gen = torch.Generator().manual_seed(0)
     weight = torch.randint(-127, 128, (40, 128), generator=gen, dtype=torch.int8)
@@ -219,7 +204,7 @@ def _int8_agrees(lib: ctypes.CDLL) -> bool:
 def int8_available() -> bool:
     """Whether int8 linears should run on this kernel here: an AMX-INT8 CPU, no ISA cap
     below AMX, the kernel wanted (NMT_AMX_LINEAR and NMT_AMX_INT8), built and checked."""
-    return (has_amx("int8") and not capped() and switch("NMT_AMX_INT8") != "0"
+    return (has_amx() and switch("NMT_AMX_INT8") != "0"
             and int8_works())
 
 
@@ -292,7 +277,7 @@ class KernelInt8Linear(nn.Module):
         """The C function (its address) and op that compute this layer, for a caller in C
         (nmt/inference/native_step.c), which passes `packed`, `bias` and `scale` as
         `forward` does."""
-        return native.address(getattr(self.lib, self.c_function)), self.c_op
+        return kernels.address(getattr(self.lib, self.c_function)), self.c_op
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -1,10 +1,11 @@
-"""int8 linear layers for CPU inference without AMX, through one C kernel (avx2_linear.c).
+"""int8 linear layers for CPU inference without AMX, through one C kernel
+(nmt/kernels/avx2_linear.c).
 
 Why: on an AVX2 CPU (or an AVX-512 one without AMX) int8 layers otherwise run torch's
 FBGEMM / oneDNN dynamic-quantized kernels, which the native decoder step cannot call and
 which quantize a call's activations with one scale. This kernel quantizes each row with
 its own scale, as nmt/inference/amx_linear.py's int8 kernel does, is compiled once per
-machine (nmt/native.py), and the native decoder step calls it by address.
+install (nmt/kernels), and the native decoder step calls it by address.
 
 Activations are 7 bits wide here (q in [-63, 63], then + 64 as unsigned bytes, the
 offset's share subtracted per output): AVX2's vpmaddubsw adds pairs of products into int16,
@@ -17,18 +18,13 @@ AMX-INT8 is absent and the CPU has no AVX-512 (`available`); NMT_AVX2_INT8=0 tur
 from __future__ import annotations
 
 import ctypes
-import platform
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-import nmt.native as native
-from nmt.cores import cpu_info
+from nmt import kernels
 from nmt.inference.amx_linear import KernelInt8Linear, quantize_rows
-from nmt.switches import switch
 
-SOURCE = Path(__file__).with_suffix(".c")
 PARAMS = 12  # P_COUNT of the C source
 OP_AVAILABLE, OP_PACK, OP_LINEAR, OP_LEVELS = range(4)
 K_STEP = 32  # in_features must be a multiple of this
@@ -41,7 +37,7 @@ def _pack(lib: ctypes.CDLL, q: Tensor) -> Tensor:
     n, k = q.shape
     padded = (n + OUTS - 1) // OUTS * OUTS
     out = torch.empty(padded * k + 4 * padded, dtype=torch.int8)  # + int32 compensation
-    if native.call_linear(lib.nmt_avx2_linear, OP_PACK, w=q.data_ptr(), n=n, k=k,
+    if kernels.call_linear(lib.nmt_avx2_linear, OP_PACK, w=q.data_ptr(), n=n, k=k,
                           y=out.data_ptr()) != 0:
         raise RuntimeError("the AVX2 int8 kernel failed to pack a weight")
     return out
@@ -56,7 +52,7 @@ def _linear(lib: ctypes.CDLL, x: Tensor, packed: Tensor, n: int, bias: Tensor | 
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     y = torch.empty(rows.size(0), n, dtype=torch.float32)  # (M, N)
-    status = native.call_linear(lib.nmt_avx2_linear, OP_LINEAR, x=rows.data_ptr(),
+    status = kernels.call_linear(lib.nmt_avx2_linear, OP_LINEAR, x=rows.data_ptr(),
                                 m=rows.size(0), k=k, ldx=rows.stride(0), w=packed.data_ptr(),
                                 n=n, bias=0 if bias is None else bias.data_ptr(),
                                 y=y.data_ptr(), ldy=n, threads=threads,
@@ -70,9 +66,9 @@ def _agrees(lib: ctypes.CDLL) -> bool:
     """The kernel runs here and equals the same quantization done by PyTorch, integer
     sums exact: row counts below, at and past the 4-row tile and a chunk, widths below and
     past a 16-output block, with and without a bias, one and two threads."""
-    if native.call_linear(lib.nmt_avx2_linear, OP_AVAILABLE) != 0:
+    if kernels.call_linear(lib.nmt_avx2_linear, OP_AVAILABLE) != 0:
         return False
-    levels = native.call_linear(lib.nmt_avx2_linear, OP_LEVELS)
+    levels = kernels.call_linear(lib.nmt_avx2_linear, OP_LEVELS)
     gen = torch.Generator().manual_seed(0)
     for n, k in ((40, 128), (7, 64)):
         weight = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
@@ -93,18 +89,14 @@ def _agrees(lib: ctypes.CDLL) -> bool:
     return True
 
 
-KERNEL = native.Kernel(SOURCE, "nmt_avx2_linear", PARAMS, _agrees, "NMT_AVX2_INT8",
-                       "the AVX2 int8 linear kernel", "int8 linears use FBGEMM / oneDNN")
+KERNEL = kernels.Kernel("avx2_linear", "nmt_avx2_linear", PARAMS, _agrees, "NMT_AVX2_INT8")
 
 
 def available() -> bool:
-    """Whether int8 linears should run on this kernel here: an x86 CPU without AVX-512 (or
-    its kernels capped below it: AVX-512 CPUs keep torch's VNNI kernels, twice as wide as
-    this one's vectors), the kernel wanted (NMT_AVX2_INT8), built with AVX2 and checked."""
-    if platform.machine().lower() not in ("x86_64", "amd64") or switch("NMT_AVX2_INT8") == "0":
-        return False
-    wide = "avx512f" in cpu_info().get("flags", "").split()
-    return (not wide or native.isa_flags() != ("-march=native",)) and KERNEL.enabled()
+    """Whether int8 linears should run on this kernel here: a CPU without AVX-512 (or with
+    it capped: AVX-512 CPUs keep torch's VNNI kernels, twice as wide as this one's vectors),
+    the kernel wanted (NMT_AVX2_INT8), built for this CPU and checked."""
+    return kernels.allowed("avx512") is not None and KERNEL.enabled()
 
 
 def fits(weight: Tensor) -> bool:

@@ -14,7 +14,7 @@ with the grouped cache (nmt/inference/kv_cache.py) on rows that are whole groups
 the attention weights; the three kernels built and checked. Anything else returns None from
 `NativeStep.step`, and decode_step (nmt/inference/decoding.py) runs the PyTorch layers.
 The embedding, the slot mask and the output projection stay in PyTorch. The library is
-built on first use like the other kernels (nmt/native.py) and checked once per process
+built at install like the other kernels (nmt/kernels) and checked once per process
 against the PyTorch step; NMT_NATIVE_STEP=0 (nmt/switches.py) turns it off.
 """
 
@@ -23,14 +23,13 @@ from __future__ import annotations
 import array
 import ctypes
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import nmt.native as native
+from nmt import kernels
 from nmt.inference import amx_linear, avx2_linear, mkl_linear
 from nmt.inference.amx_linear import AmxInt8Linear, AmxLinear, KernelInt8Linear
 from nmt.inference.avx2_linear import Avx2Int8Linear
@@ -40,7 +39,6 @@ from nmt.model.layers import DecoderLayer
 from nmt.model.transformer import Transformer
 from nmt.switches import switch
 
-SOURCE = Path(__file__).with_suffix(".c")
 PARAMS = 46  # the header's length: P_COUNT of the C source
 LAYER_PARAMS = 40  # one layer's block: L_COUNT of the C source (checked in `_agrees`)
 CACHE_PARAMS = 4  # of which the layer's caches, filled in per step
@@ -84,8 +82,8 @@ class NativePlan:
         self.kernels = (compute, attention, norm, int(self.dtype == torch.bfloat16),
                         int(norm_dtype == torch.bfloat16))
         eps = model.decoder[0].res_self.norm.eps
-        self.eps_bits = native.float_bits(eps)
-        self.scale_bits = native.float_bits(self.d_k ** -0.5)
+        self.eps_bits = kernels.float_bits(eps)
+        self.scale_bits = kernels.float_bits(self.d_k ** -0.5)
         self.layers = [_layer_addresses(layer) for layer in model.decoder]
         assert all(len(block) + CACHE_PARAMS == LAYER_PARAMS for block in self.layers)
         self._made_from = _what_it_reads(model)  # holds the layers: their memory stays
@@ -199,8 +197,8 @@ def _plan(model: Transformer, lib: ctypes.CDLL) -> NativePlan:
     functions = mkl_linear.mkl()  # not None where an MklLinear was made
     attention, norm = fused_attention.KERNEL.library(), add_norm.KERNEL.library()
     assert attention is not None and norm is not None
-    return NativePlan(model, lib, 0 if functions is None else native.address(functions.compute),
-                      native.address(attention.nmt_attention), native.address(norm.nmt_add_norm))
+    return NativePlan(model, lib, 0 if functions is None else kernels.address(functions.compute),
+                      kernels.address(attention.nmt_attention), kernels.address(norm.nmt_add_norm))
 
 
 def _linears(layer: DecoderLayer) -> tuple:
@@ -401,5 +399,4 @@ def _reference(model: Transformer, tokens: Tensor, positions: Tensor, state: _Ch
     return x
 
 
-KERNEL = native.Kernel(SOURCE, "nmt_decoder_step", PARAMS, _agrees, "NMT_NATIVE_STEP",
-                       "the native decoder step", "decoding runs PyTorch's layers")
+KERNEL = kernels.Kernel("native_step", "nmt_decoder_step", PARAMS, _agrees, "NMT_NATIVE_STEP")

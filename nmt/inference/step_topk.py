@@ -1,28 +1,27 @@
-"""A beam-search step's candidates on a CPU in one C call (step_topk.c): the log-softmax and
-the top k of each row of next-token logits, with the search's banned columns left out.
+"""A beam-search step's candidates on a CPU in one C call (nmt/kernels/step_topk.c): the
+log-softmax and the top k of each row of next-token logits, with the search's banned
+columns left out.
 
 Why: PyTorch spends a log_softmax (three passes over the (rows, V) logits, one of them
 written), the restriction fills and a top-k (two more passes) per step; the kernel reads
 each row twice, once for its maximum and block maxima, once from the L1 cache for the
-sum of exponentials, and scans only the k blocks that can hold the top k. It is built by
-nmt/native.py and checked once per process against PyTorch; without a compiler, or when
-the build or the check fails, `kernel_for` returns None (one line on stderr says why) and
-the search takes PyTorch's path. NMT_FUSED_TOPK=0 turns it off.
+sum of exponentials, and scans only the k blocks that can hold the top k. Built at
+install, loaded for this CPU and checked once per process against PyTorch (nmt/kernels);
+where no library applies, `kernel_for` returns None and the search takes PyTorch's path.
+NMT_FUSED_TOPK=0 turns it off.
 """
 
 from __future__ import annotations
 
 import array
 import ctypes
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-import nmt.native as native
+from nmt import kernels
 from nmt.special_ids import BOS_ID, EOS_ID, PAD_ID
 
-SOURCE = Path(__file__).with_suffix(".c")
 PARAMS = 14  # the parameter block's length: P_COUNT of the C source's enum
 MAX_K = 256  # MAX_K of the C source
 MAX_COLUMNS = 4096 * 64  # MAX_BLOCKS * BLOCK of the C source
@@ -110,6 +109,4 @@ def _agrees(lib: ctypes.CDLL) -> bool:
     return True
 
 
-KERNEL = native.Kernel(SOURCE, "nmt_step_topk", PARAMS, _agrees, "NMT_FUSED_TOPK",
-                       "the beam search's top-k kernel",
-                       "decoding uses PyTorch's log_softmax and topk")
+KERNEL = kernels.Kernel("step_topk", "nmt_step_topk", PARAMS, _agrees, "NMT_FUSED_TOPK")

@@ -1,4 +1,4 @@
-"""A post-norm residual at inference on a CPU as one C kernel (add_norm.c), built on first use.
+"""A post-norm residual at inference on a CPU as one C kernel (nmt/kernels/add_norm.c).
 
 Why: `LayerNorm(x + sublayer(x))` in eager PyTorch is an add and a layer_norm, two
 dispatched ops and three passes over the rows (the sum written, read for its moments,
@@ -6,9 +6,9 @@ read again for the output), three times per decoder layer and step; the kernel d
 one call with each row kept in the L1 cache, and writes the result over the sub-layer's
 output, which nothing else holds, so it allocates nothing either.
 
-How: built on first use by nmt/native.py and checked once per process against PyTorch;
-without a compiler, or when the build or the check fails, `add_norm_` returns None (one
-line on stderr says why) and the caller runs PyTorch's ops. Only where no gradient is
+How: built at install, loaded for this CPU and checked once per process against PyTorch
+(nmt/kernels); where no library applies, `add_norm_` returns None and the caller runs
+PyTorch's ops. Only where no gradient is
 wanted and no autocast is on: training never takes it. NMT_FUSED_ADD_NORM=0 turns it off.
 """
 
@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import array
 import ctypes
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-import nmt.native as native
+import nmt.kernels as kernels
 
-SOURCE = Path(__file__).with_suffix(".c")
 PARAMS = 14  # the parameter block's length: P_COUNT of the C source's enum
 MAX_D = 8192  # MAX_D of the C source
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -71,7 +69,7 @@ def _run(lib: ctypes.CDLL, out: Tensor, x: Tensor, weight: Tensor, bias: Tensor,
     params = array.array("q", (
         x.data_ptr(), out.data_ptr(), out.data_ptr(), weight.data_ptr(), bias.data_ptr(),
         out.numel() // d, d, d, d, d, DTYPES[out.dtype], DTYPES[weight.dtype],
-        native.float_bits(eps), threads))
+        kernels.float_bits(eps), threads))
     if lib.nmt_add_norm(params.buffer_info()[0]) != 0:
         raise ValueError(f"fused add + LayerNorm: rows of {d} exceed its {MAX_D}")
 
@@ -97,5 +95,4 @@ def _agrees(lib: ctypes.CDLL) -> bool:
     return True
 
 
-KERNEL = native.Kernel(SOURCE, "nmt_add_norm", PARAMS, _agrees, "NMT_FUSED_ADD_NORM",
-                       "the fused add + LayerNorm kernel", "PyTorch's add and layer_norm run")
+KERNEL = kernels.Kernel("add_norm", "nmt_add_norm", PARAMS, _agrees, "NMT_FUSED_ADD_NORM")

@@ -1,4 +1,4 @@
-"""The CPU decoder step's attention as one C kernel (fused_attention.c), built on first use.
+"""The CPU decoder step's attention as one C kernel (nmt/kernels/fused_attention.c).
 
 Why: a step's attention in eager PyTorch is 6-8 dispatched ops per layer (scale, scores'
 matmul, mask, softmax, the values' matmul, the copies around them), each a pass over
@@ -6,10 +6,9 @@ memory, and torch's batched matmul calls one small GEMM per (sentence, head) whe
 cache's history is a strided view. The kernel does it in one call and one pass, skipping
 the keys a mask hides (docs/performance.md has the measurements).
 
-How: built on first use by nmt/native.py (the system's C compiler, for the CPU in use,
-cached under ~/.cache/nmt) and checked once per process against the PyTorch path on a
-small case. Without a compiler, or when the build or the check fails, the PyTorch path runs
-(the same results to float rounding) and one line on stderr says so. NMT_FUSED_ATTENTION=0
+How: built at install, loaded for this CPU and checked once per process against the
+PyTorch path on a small case (nmt/kernels); where no library applies, the PyTorch path runs
+(the same results to float rounding). NMT_FUSED_ATTENTION=0
 (nmt/switches.py) turns it off.
 """
 
@@ -17,14 +16,12 @@ from __future__ import annotations
 
 import array
 import ctypes
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-import nmt.native as native
+import nmt.kernels as kernels
 
-SOURCE = Path(__file__).with_suffix(".c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 PARAMS = 30  # the parameter block's length: P_COUNT of the C source's enum
 
@@ -105,7 +102,7 @@ def _run(lib: ctypes.CDLL, q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | Non
         b, heads, g, length, d, dv,
         *q.stride()[:3], *keys.stride()[:3], *v.stride()[:3], *m_strides,
         *view.stride()[:3],
-        DTYPES[q.dtype], threads, native.float_bits(d ** -0.5),
+        DTYPES[q.dtype], threads, kernels.float_bits(d ** -0.5),
         0 if entries is None else entries.data_ptr()))
     if lib.nmt_attention(params.buffer_info()[0]) != 0:
         raise MemoryError("fused attention: no memory for its scratch rows")
@@ -132,5 +129,5 @@ def _agrees(lib: ctypes.CDLL) -> bool:
     return True
 
 
-KERNEL = native.Kernel(SOURCE, "nmt_attention", PARAMS, _agrees, "NMT_FUSED_ATTENTION",
-                       "the fused attention kernel", "decoding uses PyTorch's attention")
+KERNEL = kernels.Kernel("fused_attention", "nmt_attention", PARAMS, _agrees,
+                        "NMT_FUSED_ATTENTION")

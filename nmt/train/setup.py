@@ -120,7 +120,7 @@ def buckets_rows(device: torch.device, precision: str) -> bool:
     of the CPU and the ISA caps), unless NMT_ROW_BUCKETS=0. On such a CPU `auto` is bf16
     (AMX makes it pay), which is how `join` asks before `auto` is resolved."""
     return (device.type == "cpu" and precision == "bf16" and switch("NMT_ROW_BUCKETS") != "0"
-            and amx_linear.has_amx() and not amx_linear.capped())
+            and amx_linear.has_amx())
 
 
 def build_model(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, rank: int

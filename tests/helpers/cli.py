@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -118,8 +119,17 @@ class NmtCli:
         if self.entry != ("-m", "cli.main"):
             raise TypeError("an instrumented CLI runs in a subprocess only")
         argv = list(map(str, args))
-        result = CliRunner().invoke(app, argv, input=input, env={**_BASE_ENV, **(env or {})},
-                                    catch_exceptions=False)
+        # A command may install SIGINT/SIGTERM handlers (cli/common.py `interrupt_surely`):
+        # this process's own come back after it, or a later test's child processes would
+        # inherit a handler that raises instead of ending them.
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            result = CliRunner().invoke(app, argv, input=input,
+                                        env={**_BASE_ENV, **(env or {})},
+                                        catch_exceptions=False)
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
         return CliResult(tuple(argv), result.exit_code, result.stdout_bytes,
                          result.stderr_bytes or b"")
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import nmt.native as native
+from nmt import kernels
 from nmt.inference import amx_linear, avx2_linear, int8_linear
 from nmt.inference.amx_linear import AmxInt8Linear, KernelInt8Linear, quantize_rows
 from nmt.inference.avx2_linear import Avx2Int8Linear
@@ -40,7 +40,7 @@ def levels(kind: type[KernelInt8Linear]) -> int:
         return 127
     lib = avx2_linear.KERNEL.library()
     assert lib is not None
-    return native.call_linear(lib.nmt_avx2_linear, avx2_linear.OP_LEVELS)
+    return kernels.call_linear(lib.nmt_avx2_linear, avx2_linear.OP_LEVELS)
 
 
 def exact(kind: type[KernelInt8Linear], x: torch.Tensor, q: torch.Tensor,
@@ -56,9 +56,7 @@ def exact(kind: type[KernelInt8Linear], x: torch.Tensor, q: torch.Tensor,
 
 @needs_avx2
 def test_the_avx2_build_quantizes_to_7_bits_without_vnni_and_8_with() -> None:
-    import nmt.native as native
-
-    vnni = native.isa_flags() == ("-march=native",) and int8_linear.has_vnni()
+    vnni = kernels.allowed("avx2_vnni") is None
     assert levels(Avx2Int8Linear) == (127 if vnni else 63)
 
 
@@ -183,13 +181,11 @@ def test_make_int8_linear_picks_avx2_on_cpus_without_avx512_and_amx(
         pytest.skip("no AVX2 int8 kernel or no int8 kernel of torch's here")
     weight = torch.randn(48, 64)
     monkeypatch.setattr(amx_linear, "int8_available", lambda: False)  # a CPU without AMX
-    monkeypatch.setattr(avx2_linear, "cpu_info", lambda: {"flags": "avx2 fma"})
+    monkeypatch.setattr(kernels, "allowed", lambda level: "no" if level == "avx512" else None)
     assert isinstance(make_int8_linear(weight, None), Avx2Int8Linear)
     assert isinstance(make_int8_linear(torch.randn(48, 48), None), int8_linear.Int8Linear)
     monkeypatch.setenv("NMT_AVX2_INT8", "0")
     assert isinstance(make_int8_linear(weight, None), int8_linear.Int8Linear)
     monkeypatch.delenv("NMT_AVX2_INT8")
-    monkeypatch.setattr(avx2_linear, "cpu_info", lambda: {"flags": "avx2 avx512f"})
-    capped = avx2_linear.native.isa_flags() != ("-march=native",)
-    want = Avx2Int8Linear if capped else int8_linear.Int8Linear  # AVX-512 keeps torch's
-    assert isinstance(make_int8_linear(weight, None), want)
+    monkeypatch.setattr(kernels, "allowed", lambda level: None)  # AVX-512, uncapped
+    assert isinstance(make_int8_linear(weight, None), int8_linear.Int8Linear)  # torch's
