@@ -395,7 +395,7 @@ def check_big_memory(setup: Setup) -> Check:
             micro = to_device(batch, has_pad=False, select=None, device=device)  # no padding
             train_step(model, model, [micro], tgt_tokens=rows * length, optimizer=optimizer,
                        scaler=scaler, precision="bf16", loss=loss)
-            apply_update(optimizer, scaler, None, "bf16", finite=True)
+            apply_update(optimizer, scaler, finite=True)
         torch.cuda.synchronize()
         peaks[length] = (torch.cuda.max_memory_allocated() / 2 ** 30,
                          torch.cuda.max_memory_reserved() / 2 ** 30)

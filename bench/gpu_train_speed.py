@@ -94,7 +94,7 @@ from nmt.train.loss import (  # noqa: E402
     target_positions,
 )
 from nmt.train.schedule import Schedule, build_optimizer, build_schedule  # noqa: E402
-from nmt.train.step import LossOptions, apply_update, train_step  # noqa: E402
+from nmt.train.step import LossOptions, advance, apply_update, train_step  # noqa: E402
 
 # Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s, from NVIDIA's datasheets: H100
 # SXM 1,979 and H100 PCIe 1,513 "with sparsity" (H100 Tensor Core GPU datasheet), H200
@@ -250,7 +250,8 @@ def train_update(micro: list[HostBatch], net: nn.Module, model: Transformer,
                  for hb in micro]  # as the Trainer's feed hands them over
     step = train_step(net, model, on_device, tgt_tokens=tokens,
                       optimizer=optimizer, scaler=scaler, precision=precision, loss=loss)
-    apply_update(optimizer, scaler, schedule, precision, finite=True)
+    apply_update(optimizer, scaler, finite=True)
+    advance(schedule, None, finite=True)
     return step.loss_sum / tokens
 
 

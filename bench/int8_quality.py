@@ -5,7 +5,6 @@ defaults of `nmt translate`) and reports sacreBLEU against the reference, the BL
 output against the fp32 output, and the share of lines identical to fp32. Sets: Multi30k
 test2016 and WMT14 newstest2014 (3,003 lines of news: out of domain for a Multi30k model,
 which translates it badly, but int8 and fp32 are still compared on newstest-sized input).
-NMT_INT8_OUTPUT=0 in the environment keeps the output projection in fp32 (compare both).
 Run: .venv/bin/python bench/int8_quality.py --checkpoint RUN/average.pt [--sets test2016]
 Ends with one JSON line.
 """
@@ -52,9 +51,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
-    result: dict[str, object] = {"bench": "int8_quality", "checkpoint": str(opts.checkpoint),
-                                 "int8_output_projection":
-                                     os.environ.get("NMT_INT8_OUTPUT", "1") != "0"}
+    result: dict[str, object] = {"bench": "int8_quality", "checkpoint": str(opts.checkpoint)}
     for name in opts.sets.split(","):
         src, ref = (DATA / part for part in SETS[name])
         lines = src.read_text(encoding="utf-8").split("\n")[:-1]

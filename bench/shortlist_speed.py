@@ -28,8 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from nmt.config import DecodeConfig, model_preset  # noqa: E402
 from nmt.data.shortlist import Shortlist  # noqa: E402
-from nmt.inference.int8_linear import output_projection, quantize_for_inference  # noqa: E402
-from nmt.inference.packed_linear import pack_for_inference  # noqa: E402
+from nmt.inference.backends import prepare  # noqa: E402
 from nmt.inference.translate import Engine  # noqa: E402
 from nmt.model.transformer import Transformer  # noqa: E402
 
@@ -56,13 +55,8 @@ def main() -> None:
     for precision in opts.precisions.split(","):
         torch.manual_seed(0)
         model = Transformer(model_preset("base", vocab_size=vocab)).eval()
-        projection = None
-        if precision == "int8":
-            quantize_for_inference(model)
-            projection = output_projection(model.output_weight)
-        else:
-            model = model.to(torch.bfloat16 if precision == "bf16" else torch.float32)
-            pack_for_inference(model)
+        model = model.to(torch.bfloat16 if precision == "bf16" else torch.float32)
+        projection = prepare(model, precision)
         engine = Engine([model], vocab=None, cfg=cfg, device=torch.device("cpu"),
                             projections=[projection], precision=precision)
         for name, listed in (("full", None), ("shortlist", shortlist)):

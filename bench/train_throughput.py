@@ -127,7 +127,7 @@ def nmt_child(batches: str, shape: dict, threads: int, precision: str, warmup: i
         step = train_step(model, model, [micro], tgt_tokens=ntok, optimizer=optimizer,
                           scaler=scaler, precision=precision, loss=loss)
         finite = bool(torch.isfinite(step.loss_sum) & torch.isfinite(step.grad_norm))
-        apply_update(optimizer, scaler, None, precision, finite)
+        apply_update(optimizer, scaler, finite)
         c1, w1 = time.process_time(), time.perf_counter()
         if i >= warmup:
             tokens.append(int(src_lens.sum()) + ntok)

@@ -4,14 +4,14 @@ Each system at its best for the machine, and on one core: nmt at every split of 
 into worker processes x torch threads (`--workers W --threads-per-worker T`), CTranslate2
 at every inter_threads x intra_threads split (replicas sharing the weights, its documented
 way to use cores for throughput) and at each of --ct2-batch-tokens; both with 1x1 too.
-nmt rows: fp32, `auto` (bf16 where the CPU has it natively), int8 (and fp32 with packing
-off, `fp32_unpacked`); CTranslate2: float32 and int8 (the checkpoint exported with `nmt
-export ct2`, run by bench/ct2_translate_speed.py in bench/.venv-ct2, its `score_batch`
-log-probs checked against nmt's first); fairseq (below). A peer whose virtual environment
-is absent is skipped with a note. `--isa avx2` runs everything with the kernels capped at
-AVX2 (what an AVX2-only CPU gets). `--early-stop beam` gives nmt the stopping rule
-CTranslate2 uses (it stops a sentence once `beam` hypotheses have finished; nmt's default,
-the paper's rule, searches on while one could still win): like with like.
+nmt rows: fp32, `auto` (bf16 where the CPU has it natively), int8; CTranslate2: float32 and
+int8 (the checkpoint exported with `nmt export ct2`, run by bench/ct2_translate_speed.py in
+bench/.venv-ct2, its `score_batch` log-probs checked against nmt's first); fairseq (below).
+A peer whose virtual environment is absent is skipped with a note. `--isa avx2` runs
+everything with the kernels capped at AVX2 (what an AVX2-only CPU gets). `--early-stop
+beam` gives nmt the stopping rule CTranslate2 uses (it stops a sentence once `beam`
+hypotheses have finished; nmt's default, the paper's rule, searches on while one could
+still win): like with like.
 
 Every configuration runs in a fresh process, one after the other: a warm-up of 20 lines,
 then --repeats timed passes over the 1,000 Multi30k test sentences (test_2016_flickr.en)
@@ -176,12 +176,11 @@ def export_for_fairseq(model: Transformer, vocab: Vocab, lines: list[str], cfg: 
 
 
 def time_ours(checkpoint: Path, lines: list[str], refs: list[str], cfg: DecodeConfig,
-              precision: str, packed: bool = True, passes: int = 1, workers: int = 1,
+              precision: str, passes: int = 1, workers: int = 1,
               threads: int = 1, repeats: int = 1, shortlist: Path | None = None
               ) -> dict[str, object]:
     """`nmt translate`'s stream path over `lines` at `precision` with `workers` processes of
-    `threads` torch threads (after a 20-line warm-up), with the linears packed for oneDNN
-    or (packed=False) on torch's default path; best of `repeats` timed passes.
+    `threads` torch threads (after a 20-line warm-up); best of `repeats` timed passes.
 
     Run in a fresh process per configuration (`child_main`): forking workers from a process
     whose OpenMP pool already ran would hang them (nmt/inference/workers.py), and no
@@ -191,7 +190,6 @@ def time_ours(checkpoint: Path, lines: list[str], refs: list[str], cfg: DecodeCo
     the end of the last: about 0 unless something accumulates. Memory of the workers:
     `pss_mb` (all processes, shared pages split among them) and each worker's private
     pages (`worker_private_mb`, what a worker adds)."""
-    os.environ["NMT_PACKED_LINEAR"] = "1" if packed else "0"  # read when used
     if workers == 1:
         torch.set_num_threads(threads)
     translator = Engine.load([checkpoint], cfg, device="cpu", precision=precision,
@@ -216,7 +214,7 @@ def time_ours(checkpoint: Path, lines: list[str], refs: list[str], cfg: DecodeCo
     memory = _memory(translator)
     translator.close()
     hyps = sink.getvalue().decode("utf-8").splitlines()
-    return {"system": "nmt", "precision": precision, "packed_linears": packed,
+    return {"system": "nmt", "precision": precision,
             "shortlist": None if shortlist is None else str(shortlist),
             "workers": workers, "threads": threads, "max_tokens": translator.max_tokens,
             "bleu": corpus_scores(hyps, refs, digits=2)["bleu"], "hyps": hyps,
@@ -268,19 +266,19 @@ def child_main(request: Path) -> None:
     req = json.loads(request.read_text(encoding="utf-8"))
     cfg = DecodeConfig(**req["cfg"])
     row = time_ours(Path(req["checkpoint"]), req["lines"], req["refs"], cfg, req["precision"],
-                    req["packed"], req["passes"], req["workers"], req["threads"],
+                    req["passes"], req["workers"], req["threads"],
                     req["repeats"], Path(req["shortlist"]) if req["shortlist"] else None)
     print(json.dumps(row))
 
 
 def run_nmt(checkpoint: Path, lines: list[str], refs: list[str], cfg: DecodeConfig,
-            precision: str, packed: bool, passes: int, workers: int, threads: int,
+            precision: str, passes: int, workers: int, threads: int,
             repeats: int, cache: Path, shortlist: Path | None = None) -> dict[str, object]:
     """`time_ours` in a fresh Python process (see there)."""
     request = cache / "nmt_request.json"
     request.write_text(json.dumps({
         "checkpoint": str(checkpoint), "lines": lines, "refs": refs,
-        "cfg": dataclasses.asdict(cfg), "precision": precision, "packed": packed,
+        "cfg": dataclasses.asdict(cfg), "precision": precision,
         "passes": passes, "workers": workers, "threads": threads, "repeats": repeats,
         "shortlist": None if shortlist is None else str(shortlist)}),
         encoding="utf-8")
@@ -432,7 +430,7 @@ def main() -> None:
                              "the last timed: the steady state of a long input; >1 also "
                              "reports nmt's resident-memory growth.")
     parser.add_argument("--systems", default="fp32,auto,int8,ct2",
-                        help="Comma list among fp32, auto, int8, fp32_unpacked, ct2, fairseq.")
+                        help="Comma list among fp32, auto, int8, ct2, fairseq.")
     parser.add_argument("--skip-fairseq", action="store_true")
     parser.add_argument("--skip-ct2", action="store_true")
     parser.add_argument("--smoke", action="store_true",
@@ -471,20 +469,18 @@ def main() -> None:
         request = ct2_request(checkpoint, lines, ct2_cfg, opts.cache)
         if request is None:
             systems.remove("ct2")
-    nmt_runs = {"fp32": ("fp32", True), "auto": ("auto", True), "int8": ("int8", True),
-                "fp32_unpacked": ("fp32", False)}
+    nmt_runs = ("fp32", "auto", "int8")
     if opts.shortlist is not None:  # the same precisions again, with the shortlist
         systems += [f"{name}+shortlist" for name in systems if name in nmt_runs]
     best: dict[str, dict] = {}
     for _ in range(opts.rounds):  # interleaved: this VM drifts 10-20 % over minutes
         for name in systems:  # one system after another, each alone on the machine
             if name.split("+")[0] in nmt_runs:
-                precision, packed = nmt_runs[name.split("+")[0]]
+                precision = name.split("+")[0]
                 listed = opts.shortlist if name.endswith("+shortlist") else None
                 for workers, threads in grid:
-                    row = run_nmt(checkpoint, lines, refs, cfg, precision, packed,
-                                  opts.passes, workers, threads, opts.repeats, opts.cache,
-                                  listed)
+                    row = run_nmt(checkpoint, lines, refs, cfg, precision, opts.passes,
+                                  workers, threads, opts.repeats, opts.cache, listed)
                     keep_best(best, f"{name}@{workers}x{threads}", row)
                     print(f"nmt {name} {workers}x{threads}: {row['sentences_per_s']:.1f} "
                           "sentences/s", file=sys.stderr)

@@ -53,7 +53,7 @@ def report(measure: bool = True) -> dict[str, Any]:
     return {"nmt": {"version": nmt.__version__, "path": str(Path(nmt.__file__).parent)},
             "python": platform.python_version(), "platform": platform.platform(),
             "torch": _torch(torch), "cpu": _cpu(), "kernels": _kernels(),
-            "precision": _precision(measure), "threads": _threads(torch),
+            "backends": _backends(), "precision": _precision(measure), "threads": _threads(torch),
             "memory": _memory(), "gpus": _gpus(torch), "extras": _extras(),
             "settings": {name: os.environ[name] for name in (*SETTINGS, *SWITCHES)
                          if name in os.environ}}
@@ -76,8 +76,14 @@ def _cpu() -> dict[str, Any]:
 
 
 def _kernels() -> dict[str, dict[str, Any]]:
-    from nmt.inference import amx_linear, avx2_linear, native_step, step_topk
-    from nmt.model import add_norm, fused_attention
+    from nmt.inference import (
+        add_norm,
+        amx_linear,
+        avx2_linear,
+        fused_attention,
+        native_step,
+        step_topk,
+    )
 
     found = {}
     for module in (fused_attention, add_norm, step_topk, native_step, avx2_linear,
@@ -88,6 +94,14 @@ def _kernels() -> dict[str, dict[str, Any]]:
                               "built": [level for level in KERNELS[kernel.name]
                                         if kernel.path(level).is_file()]}
     return found
+
+
+def _backends() -> dict[str, Any]:
+    """This CPU's column of nmt/inference/backends.py's table and what runs for each row."""
+    from nmt.inference import backends
+
+    levels = {name: kernel["level"] for name, kernel in _kernels().items()}
+    return {"column": backends.column(), "runs": backends.here(levels)}
 
 
 def _precision(measure: bool) -> dict[str, Any]:
@@ -181,6 +195,11 @@ def text(facts: dict[str, Any]) -> str:
     width = max(map(len, facts["kernels"]))
     for name, kernel in facts["kernels"].items():
         lines.append(f"  {name:<{width}}  {kernel['level'] or '-':<11}  {kernel['note']}")
+    lines.append(f"backends (column {facts['backends']['column']} of "
+                 "nmt/inference/backends.py's table):")
+    width = max(map(len, facts["backends"]["runs"]))
+    for row, backend in facts["backends"]["runs"].items():
+        lines.append(f"  {row:<{width}}  {backend}")
     line = f"precision auto on this CPU: {prec['cpu_auto']} ({prec['why']})"
     if "measured" in prec:
         m = prec["measured"]

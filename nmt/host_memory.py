@@ -52,7 +52,7 @@ def keep_freed_memory() -> bool:
 # oneDNN primitives kept per process (oneDNN's own default: 1024). Training: each update
 # is a new (rows, d) shape, used once: a small cache bounds the memory (module doc).
 TRAIN_ONEDNN_CACHE = 64
-# Training whose rows come in steps (nmt/model/row_buckets.py): its few shapes recur, and
+# Training whose rows come in steps (nmt/train/linears.py): its few shapes recur, and
 # so do many attention shapes.
 TRAIN_BUCKETED_ONEDNN_CACHE = 1024
 # Inference: beam search meets a new row count at almost every step (rows shrink as

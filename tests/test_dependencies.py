@@ -5,12 +5,11 @@ from the source with `ast`: every import of every module, lazy ones inside funct
 - Packages layer one way: nmt.data and nmt.model use only the shared top-level modules,
   nmt.inference adds them, nmt.train adds nmt.inference; the shared modules reach up only
   where checkpoint builds a model (`load_model`, lazily).
-- The network (nmt.model) is torch, nmt.config, nmt.errors, nmt.switches and nmt.kernels
-  (which loads its C kernel) alone.
+- The network (nmt.model) is torch, nmt.config and nmt.errors alone: no C, no switches.
 - `nmt/inference/search.py` is pure algorithms: torch, the standard library, the special ids
   and its step's candidate kernel (nmt/inference/step_topk.py, computation only).
 - Caches live in one place: only nmt/inference/decoding.py imports the cache (kv_cache.py);
-  the network sees it through nmt/model/incremental.py alone.
+  a layer's step sees it through `LayerCache` (nmt/inference/layer_step.py) alone.
 - No import circles between modules, lazy imports included.
 - No `__del__` in the library: lifetimes are explicit (context managers, owner objects).
 """
@@ -30,8 +29,7 @@ LIBRARY = REPO / "nmt"
 FORBIDDEN_IN_LIBRARY = {"cli", "typer", "rich"}  # rich: progress bars are drawn by cli/
 SEARCH_MAY_IMPORT = {"torch", "nmt.special_ids", "nmt.inference.step_topk"}
 # besides torch and nmt.model:
-NETWORK_MAY_IMPORT = {"nmt.config", "nmt.errors", "nmt.kernels", "nmt.kernels.levels", "nmt.cores",
-                      "nmt.switches"}
+NETWORK_MAY_IMPORT = {"nmt.config", "nmt.errors"}
 CACHE_OWNERS = {"nmt.inference.decoding"}  # the only importers of the caches
 CACHES = {"nmt.inference.kv_cache"}
 PACKAGES = ("nmt.data", "nmt.model", "nmt.inference", "nmt.train", "nmt.api", "nmt.serve",

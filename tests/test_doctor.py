@@ -62,3 +62,21 @@ def test_caps_show_as_the_class_and_in_the_settings(monkeypatch) -> None:
     assert facts["cpu"]["class"] == "baseline"
     assert facts["cpu"]["caps"] == {"ATEN_CPU_CAPABILITY": "baseline"}
     assert facts["settings"]["ATEN_CPU_CAPABILITY"] == "default"
+
+
+def test_the_report_says_which_backend_runs_each_row(facts: dict) -> None:
+    """The backends section: this CPU's column, and for every row of the table one of the
+    backends its cell lists (or, for int8 without torch's kernels, the fp32 row's)."""
+    from nmt.inference import backends
+
+    section = facts["backends"]
+    assert section["column"] == backends.column()
+    rows = {f"{operation} {precision}": cells[backends.COLUMNS.index(section["column"])]
+            for (operation, precision), cells in backends.TABLE.items()}
+    assert section["runs"].keys() == rows.keys()
+    for row, chosen in section["runs"].items():
+        fp32 = section["runs"].get(row.replace("int8", "fp32"))
+        assert chosen in rows[row] or chosen == fp32, row
+    lines = text(facts).splitlines()
+    for row, chosen in section["runs"].items():
+        assert any(line.split() == [*row.split(), chosen] for line in lines), row

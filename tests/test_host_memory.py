@@ -56,8 +56,8 @@ torch.set_num_threads(1)
 from nmt import Translator
 Translator.load(sys.argv[1], precision="fp32", quiet=True)
 print("capacity", os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY"), file=sys.stderr)
-from nmt.inference.packed_linear import PackedLinear, available
-if not available(torch.float32):
+from nmt.inference.packed_linear import PackedLinear, works
+if not works(torch.float32):
     print("no packed linears", file=sys.stderr)
     sys.exit(0)
 layer = PackedLinear(torch.randn(32, 16), torch.randn(32))

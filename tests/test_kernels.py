@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from nmt import kernels
+from nmt.inference import fused_attention
 from nmt.kernels.levels import KERNELS, LEVELS
-from nmt.model import fused_attention
 
 # /proc/cpuinfo flags of the CPU classes nmt is measured on (the vector ones).
 ZEN3 = "sse4_2 avx avx2 fma f16c bmi2"  # AMD EPYC Zen 3: AVX2 only
@@ -96,7 +96,7 @@ def test_a_library_for_a_level_the_cpu_lacks_is_never_loaded(cpu, tmp_path: Path
     monkeypatch.setattr(kernels, "HERE", _kernel_dir(tmp_path, {
         level: here for level in KERNELS["fused_attention"]}))
     kernel = kernels.Kernel("fused_attention", fused_attention.KERNEL.entry,
-                            fused_attention.PARAMS, lambda lib: True, "NMT_FUSED_ATTENTION")
+                            fused_attention.PARAMS, lambda lib: True)
     status = kernel.status()
     assert status.level == ("avx2" if flags == ZEN3 else "avx512")
     assert "this CPU lacks" in kernels.allowed("amx")
@@ -110,7 +110,7 @@ def test_where_no_library_was_built_the_pytorch_path_runs_silently(
     empty.mkdir()
     monkeypatch.setattr(kernels, "HERE", empty)
     kernel = kernels.Kernel("fused_attention", "nmt_attention", fused_attention.PARAMS,
-                            lambda lib: True, "NMT_FUSED_ATTENTION")
+                            lambda lib: True)
     assert kernel.library() is None and kernel.status().level is None
     assert "not built at install" in kernel.status().note
     assert capfd.readouterr().err == ""
@@ -143,7 +143,7 @@ def test_a_cpu_that_lacks_a_level_survives_its_library_beside_it(tmp_path: Path)
         f"kernels.HERE = __import__('pathlib').Path({str(where)!r})\n"
         f"kernels.cpu_flags = lambda: frozenset({ZEN3!r}.split())\n"
         "platform.machine = lambda: 'x86_64'\n"
-        "from nmt.model import fused_attention\n"
+        "from nmt.inference import fused_attention\n"
         "print(fused_attention.KERNEL.status().level)\n")
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -26,8 +26,7 @@ PROBE = """
 import torch
 from nmt.config import model_preset
 from nmt.inference.decoding import search_ids
-from nmt.inference.int8_linear import quantize_for_inference
-from nmt.inference.packed_linear import pack_for_inference
+from nmt.inference.backends import prepare
 from nmt.model.transformer import Transformer
 from nmt.doctor import report
 torch.manual_seed(0)
@@ -35,7 +34,7 @@ src = torch.randint(4, 40, (3, 7))
 for precision in ("fp32", "int8"):
     torch.manual_seed(1)
     model = Transformer(model_preset("tiny", vocab_size=40)).eval()
-    (quantize_for_inference if precision == "int8" else pack_for_inference)(model)
+    prepare(model, precision)
     print(precision, search_ids(model, src))
 print({name: k["level"] for name, k in report(measure=False)["kernels"].items()})
 """

@@ -7,7 +7,8 @@
   grouped layout; tested equal to the readable reference in tests/helpers/plain_cache.py).
 - `translate`: the streaming pipeline of `nmt translate` (read, sort, batch, search, write
   in input order) and the `Engine` that loads a model once.
-- `packed_linear`, `int8_linear`: faster CPU linears swapped in for inference.
+- `backends`: which faster CPU linear (and kernel) runs, by precision and CPU, from one table;
+  `packed_linear`, `mkl_linear`, `int8_linear`, `kernel_linear`: those linears.
 - `attention_map`: encoder-decoder attention heatmaps.
 - `export`: exporters for other engines: CTranslate2 (`export.ct2`), Hugging Face
   transformers (`export.hf`), sharing `export.common`.

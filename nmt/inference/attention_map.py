@@ -21,6 +21,7 @@ from torch import Tensor
 from nmt.data.vocab import Vocab
 from nmt.errors import UsageError
 from nmt.inference.decoding import decode_step, init_state
+from nmt.inference.layer_step import encoder_layer
 from nmt.inference.search import Hypothesis
 from nmt.model.transformer import Transformer
 from nmt.special_ids import BOS_ID, EOS_ID
@@ -61,7 +62,8 @@ def attention_maps(model: Transformer, vocab: Vocab, src_ids: Sequence[int],
     tgt_in = torch.tensor([BOS_ID, *hyp_ids], dtype=torch.long, device=device)  # (tgt_len,)
     rows: list[Tensor] = []
     with torch.inference_mode():
-        state = init_state(model, model.encode(src, has_pad=False), attention_layer=index)
+        state = init_state(model, model.encode(src, has_pad=False, layer_step=encoder_layer),
+                           attention_layer=index)
         for token in tgt_in:
             decode_step(model, token.view(1), state, need_attention=True)  # token (1,)
             assert state.attention is not None

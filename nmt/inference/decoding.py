@@ -5,18 +5,18 @@ opens an empty key/value cache: `GroupedCache` (nmt/inference/kv_cache.py), or a
 `DecodingCache` protocol (the tests' readable reference, tests/helpers/plain_cache.py).
 `decode_step` feeds each row's newest token at the next position and returns next-token
 logits for that position only; each decoder layer sees its cache through one interface
-(`LayerCache`, nmt/model/incremental.py). `ModelStepDecoder` adapts this to the search's
+(`LayerCache`, nmt/inference/layer_step.py). `ModelStepDecoder` adapts this to the search's
 `StepDecoder` protocol (nmt/inference/search.py): next-token logits, row reordering,
 finished rows skipped; search code never sees a cache. `greedy_search` is the one-call
 greedy decoder validation uses.
 
 Memory has an explicit owner. A `DecodingWorkspace` (one per model, kept by the engine)
-holds the packed copy of the model's output projection when its linears are packed
-(nmt/inference/packed_linear.py) and lends the (rows, vocab) logits buffer its previous batch's
-decoder left to the next one (`with workspace.decoder(src) as decoder: ...`). The key/value
-caches are plain tensors freed with their decoder: on CPU the translator keeps glibc from
-unmapping freed blocks (nmt/host_memory.py), so the next batch reuses mapped pages without
-a pool of ours (see nmt/inference/kv_cache.py). Nothing global, no finalisers.
+holds the model's output projection layer where it has one (nmt/inference/backends.py
+`prepare`) and lends the (rows, vocab) logits buffer its previous batch's decoder left to
+the next one (`with workspace.decoder(src) as decoder: ...`). The key/value caches are
+plain tensors freed with their decoder: on CPU the translator keeps glibc from unmapping
+freed blocks (nmt/host_memory.py), so the next batch reuses mapped pages without a pool of
+ours (see nmt/inference/kv_cache.py). Nothing global, no finalisers.
 """
 
 from __future__ import annotations
@@ -29,14 +29,15 @@ import torch
 from torch import Tensor, nn
 
 from nmt.config import DecodeConfig
-from nmt.inference.int8_linear import ROW_SELECTABLE
+from nmt.inference import backends
+from nmt.inference.fused_attention import keys_layout
+from nmt.inference.int8_linear import Int8Linear
+from nmt.inference.kernel_linear import KernelLinear
 from nmt.inference.kv_cache import GroupedCache, Regroup
+from nmt.inference.layer_step import LayerCache, decoder_layer_step, encode
 from nmt.inference.native_step import NativeStep, plan_for
-from nmt.inference.packed_linear import is_packed, make_linear
 from nmt.inference.rest_mass import RestMass, VocabularyMoments
 from nmt.inference.search import beam_search, greedy_decode, max_output_lengths
-from nmt.model.fused_attention import keys_layout
-from nmt.model.incremental import LayerCache
 from nmt.model.transformer import EncoderOutput, Transformer
 from nmt.switches import switch
 
@@ -139,7 +140,7 @@ def _layers(model: Transformer, tokens: Tensor, state: DecodingCache, positions:
     x = model.embed_tokens(tokens[:, None], positions)  # (n, 1, d_model)
     want = state.attention_layer % len(model.decoder) if need_attention else -1
     for i, (layer, cache) in enumerate(zip(model.decoder, state.layers(live), strict=True)):
-        x, weights = layer.incremental(x, cache, need_weights=i == want)
+        x, weights = decoder_layer_step(layer, x, cache, need_weights=i == want)
         if weights is not None:
             state.attention = weights  # (n, heads, src_len)
     if model.dec_norm is not None:
@@ -175,12 +176,9 @@ class DecodingWorkspace:
     """
 
     def __init__(self, model: Transformer, projection: nn.Module | None = None) -> None:
+        """`projection`: the layer of the vocabulary matmul, the biggest of a step (what
+        `backends.prepare` returned); None: the plain matmul with the output weight."""
         self.model = model
-        # The vocabulary matmul is the biggest of a step: `projection` (e.g. int8) when
-        # given, else a packed copy of the shared output matrix when the model's linears
-        # are packed, else the plain matmul.
-        if projection is None and is_packed(model):
-            projection = make_linear(model.output_weight, None)
         self.projection = projection
         self.native = plan_for(model)  # None: the PyTorch layers decode
         self._logits: Tensor | None = None
@@ -196,14 +194,16 @@ class DecodingWorkspace:
         """The output projection (of this workspace's kind: int8, packed or plain) and
         weight for the rows `columns` of the output weight only (V', d_model); no weight
         with an int8 projection (its rows come from the int8 copy)."""
-        if isinstance(self.projection, ROW_SELECTABLE):  # quantized once, not per batch
-            with torch.no_grad():
-                return self.projection.rows(columns), None
+        projection = self.projection
+        if isinstance(projection, Int8Linear | KernelLinear) and projection.quantized is not None:
+            with torch.no_grad():  # int8: quantized once, not per batch
+                return projection.rows(columns), None
         weight = self.model.output_weight.index_select(0, columns)  # (V', d_model)
         if self.projection is None:
             return None, weight
+        precision = "bf16" if weight.dtype == torch.bfloat16 else "fp32"
         with torch.no_grad():
-            return type(self.projection)(weight, None), weight
+            return backends.layer(weight, None, precision), weight
 
     def rest_mass(self, columns: Tensor) -> RestMass | None:
         """The estimator of the mass a shortlist of `columns` leaves out (None: nothing,
@@ -250,7 +250,7 @@ class ModelStepDecoder:
                  cache: type[DecodingCache] = GroupedCache,
                  columns: Tensor | None = None) -> None:
         self.model = model
-        self.state = init_state(model, model.encode(src), cache=cache)
+        self.state = init_state(model, encode(model, src), cache=cache)
         self._likely = likely_positions(src.size(1))
         self.projection = None if workspace is None else workspace.projection
         # A shortlist: the search sees columns 0..V'-1 (token `columns[c]`), the specials

@@ -2,7 +2,7 @@
 
 `GroupedCache` is what `nmt translate` decodes with; tests/helpers/plain_cache.py is the
 readable reference it is tested equal to. Both serve the network through one interface
-(`LayerCache`, nmt/model/incremental.py): a layer writes this position's key/value and
+(`LayerCache`, nmt/inference/layer_step.py): a layer writes this position's key/value and
 reads back what to attend over; the layout below is invisible to it and to the search.
 
 The cache is organised by GROUP: the g rows of one sentence (its beam) share one copy of
@@ -36,7 +36,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from nmt.model.attention import additive_mask
+from nmt.inference.layer_step import additive_mask
 from nmt.switches import switch
 
 INITIAL_CAPACITY = 16  # target positions preallocated by a new state; doubled when full
@@ -364,7 +364,7 @@ def _verify_layout(layout: Regroup, found: tuple[int, Tensor | None], groups: in
 def _take_rows(keys_t: Tensor, src: Tensor) -> Tensor:
     """Rows `src` of the transposed cross keys (groups, heads, d_k, src_len), in their
     memory layout: stored (.., src_len, d_k) for the fused kernel or transposed
-    (nmt/model/fused_attention.py `keys_layout`); a plain index_select would lay the
+    (nmt/inference/fused_attention.py `keys_layout`); a plain index_select would lay the
     first out as the second."""
     if keys_t.stride(-2) == 1 and keys_t.stride(-1) != 1:
         return keys_t.transpose(-1, -2).index_select(0, src).transpose(-1, -2)

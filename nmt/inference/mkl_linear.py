@@ -1,19 +1,17 @@
 """fp32 linear layers for CPU inference on Intel CPUs through MKL's packed sgemm.
 
 Why: on an Intel CPU, MKL's sgemm with its weight packed once (`cblas_sgemm_pack`, then
-`cblas_sgemm_compute`) is the fastest fp32 matmul torch carries for a decoder's shapes, at
-every row count, and needs nothing compiled per shape; oneDNN (nmt/inference/packed_linear.py)
-compiles a kernel for each row count it meets, in every worker, and runs the small ones
-slower (docs/performance.md). On AMD CPUs MKL runs its AVX2 kernels, so oneDNN stays there.
+`cblas_sgemm_compute`) is the fastest fp32 matmul torch carries for a decoder's shapes and
+compiles nothing per shape, where oneDNN (nmt/inference/packed_linear.py) compiles a kernel
+for each row count it meets, in every worker (docs/performance.md). On AMD CPUs MKL runs its
+AVX2 kernels, so oneDNN stays there.
 
-MKL's packed B does not depend on the row count it was packed for: it is packed once and
-serves any (as CTranslate2's packed GEMM does). The three functions are taken from the MKL
-that torch's CPU library carries (it exports them), so the packed weight is a buffer whose
-address is known: the native decoder step (nmt/inference/native_step.py) computes on the same
+MKL's packed B serves any row count, so it is packed once. The functions are taken from
+the MKL inside torch's CPU library (it exports them), so the packed weight is a buffer at a
+known address: the native decoder step (nmt/inference/native_step.py) computes on the same
 copy. Each output row starts as the bias and the product is added to it (beta = 1), what
 torch's own `mkl::_mkl_linear` does, bit for bit. Checked once per process against
-`F.linear` at several row counts; where the functions are missing or disagree, the oneDNN
-layer is used instead. NMT_MKL_LINEAR=0 turns this off.
+`F.linear` at several row counts (`works`).
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nmt.cores import cpu_info
-from nmt.switches import switch
 
 # CBLAS's enum values, as MKL's headers define them.
 ROW_MAJOR, NO_TRANS, TRANS, PACKED, B_MATRIX = 101, 111, 112, 151, 162
@@ -78,9 +75,9 @@ def is_intel() -> bool:
 
 
 def available() -> bool:
-    """Whether fp32 linears should run on MKL's packed sgemm here: an Intel CPU, the switch
-    on (NMT_MKL_LINEAR), and MKL's functions present and agreeing with `F.linear`."""
-    return switch("NMT_MKL_LINEAR") != "0" and is_intel() and works()
+    """Whether fp32 linears run on MKL's packed sgemm here: an Intel CPU, and MKL's
+    functions present and agreeing with `F.linear`."""
+    return is_intel() and works()
 
 
 @functools.cache

@@ -2,20 +2,17 @@
 
 Why: one sentence at a time, a step of beam search on a CPU spends more time dispatching
 about 240 small PyTorch ops than in its matrix products (docs/performance.md); the C step
-runs the same kernels (MKL's packed sgemm, nmt's attention and add + LayerNorm) from one
+runs the same kernels (the linears' own, nmt's attention and add + LayerNorm) from one
 call, with the same results bit for bit.
 
-What takes it: a post-norm model whose decoder linears are `MklLinear` (the translator's
-fp32 path on an Intel CPU, nmt/inference/mkl_linear.py), `AmxInt8Linear` (its int8 path
-on a CPU with AMX-INT8) or `Avx2Int8Linear` (its int8 path on a CPU without AVX-512,
-nmt/inference/avx2_linear.py), with float32 activations, or all `AmxLinear` (its bf16
-path on a CPU with AMX-BF16, nmt/inference/amx_linear.py), bfloat16 throughout; decoding
-with the grouped cache (nmt/inference/kv_cache.py) on rows that are whole groups, without
-the attention weights; the three kernels built and checked. Anything else returns None from
-`NativeStep.step`, and decode_step (nmt/inference/decoding.py) runs the PyTorch layers.
-The embedding, the slot mask and the output projection stay in PyTorch. The library is
-built at install like the other kernels (nmt/kernels) and checked once per process
-against the PyTorch step; NMT_NATIVE_STEP=0 (nmt/switches.py) turns it off.
+What takes it: a post-norm model whose decoder linears are all ones C can call with float32
+activations (`MklLinear`, an int8 `KernelLinear`) or all bf16 `KernelLinear`s (which of
+them a CPU gets: nmt/inference/backends.py); decoding with the grouped cache
+(nmt/inference/kv_cache.py) on rows that are whole groups, without the attention weights;
+the kernels built and checked. Anything else returns None from `NativeStep.step`, and
+decode_step (nmt/inference/decoding.py) runs the PyTorch layers. The embedding, the slot
+mask and the output projection stay in PyTorch. Checked once per process against the
+PyTorch step (`_agrees`).
 """
 
 from __future__ import annotations
@@ -30,20 +27,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nmt import kernels
-from nmt.inference import amx_linear, avx2_linear, mkl_linear
-from nmt.inference.amx_linear import AmxInt8Linear, AmxLinear, KernelInt8Linear
-from nmt.inference.avx2_linear import Avx2Int8Linear
+from nmt.inference import add_norm, backends, fused_attention, mkl_linear
+from nmt.inference.kernel_linear import KernelLinear
 from nmt.inference.mkl_linear import MklLinear
-from nmt.model import add_norm, fused_attention
 from nmt.model.layers import DecoderLayer
 from nmt.model.transformer import Transformer
-from nmt.switches import switch
 
 PARAMS = 46  # the header's length: P_COUNT of the C source
 LAYER_PARAMS = 40  # one layer's block: L_COUNT of the C source (checked in `_agrees`)
 CACHE_PARAMS = 4  # of which the layer's caches, filled in per step
-FLOAT32_LINEARS = (MklLinear, AmxInt8Linear, Avx2Int8Linear)  # float32 in and out
-BF16_LINEARS = (AmxLinear,)  # bfloat16 in and out
 
 
 class StepState(Protocol):
@@ -67,8 +59,8 @@ class StepState(Protocol):
 class NativePlan:
     """What a model's native step needs that stays the same from step to step: the
     kernels' addresses, the sizes, and each decoder layer's weight addresses (the packed
-    weights of its `MklLinear`s, the biases and LayerNorm parameters, which it keeps
-    alive). One per model (the workspace keeps it); `stepper()` per decoder."""
+    weights of its linears, the biases and LayerNorm parameters, which it keeps alive).
+    One per model (the workspace keeps it); `stepper()` per decoder."""
 
     def __init__(self, model: Transformer, lib: ctypes.CDLL, compute: int, attention: int,
                  norm: int) -> None:
@@ -161,9 +153,8 @@ class NativeStep:
 
 
 def plan_for(model: Transformer) -> NativePlan | None:
-    """The native step's plan for `model`, or None where it does not apply: the switch off
-    (NMT_NATIVE_STEP=0), a model it does not take (see module docstring), or a kernel
-    missing (no C compiler, no MKL in this torch)."""
+    """The native step's plan for `model`, or None where it does not apply: a model it does
+    not take (see module docstring), or a kernel missing."""
     if not takes(model):
         return None
     lib = KERNEL.library()
@@ -171,12 +162,11 @@ def plan_for(model: Transformer) -> NativePlan | None:
 
 
 def takes(model: Transformer) -> bool:
-    """Whether the native step is wanted and can run `model`'s decoder here (the C library
-    aside): post-norm, in inference mode, every decoder linear an `MklLinear`, an
-    `AmxInt8Linear` or an `Avx2Int8Linear` (float32 activations) or every one an
-    `AmxLinear` (bfloat16), LayerNorms of one eps and dtype with weights and biases, a
+    """Whether the native step can run `model`'s decoder here (the C library aside):
+    post-norm, in inference mode, its decoder linears all of one activation dtype that C
+    can call (`_activations`), LayerNorms of one eps and dtype with weights and biases, a
     model width the kernels take; the attention and add + LayerNorm kernels there."""
-    if switch("NMT_NATIVE_STEP") == "0" or model.training or model.config.pre_norm:
+    if model.training or model.config.pre_norm:
         return False
     if model.dec_norm is not None or not 0 < model.config.d_model <= add_norm.MAX_D:
         return False
@@ -221,14 +211,15 @@ def _norm_fits(norm: torch.nn.LayerNorm) -> bool:
 
 
 def _activations(layer: DecoderLayer) -> torch.dtype | None:
-    """The dtype a decoder layer's linears take and give: float32 (MKL, int8 on AMX),
-    bfloat16 (bf16 on AMX), or None when they are not all of one of those kinds."""
-    linears = _linears(layer)
-    if all(isinstance(linear, FLOAT32_LINEARS) for linear in linears):
-        return torch.float32
-    if all(isinstance(linear, BF16_LINEARS) for linear in linears):
-        return torch.bfloat16
-    return None
+    """The dtype a decoder layer's linears take and give: float32 (MKL, an int8 kernel's),
+    bfloat16 (the AMX bf16 kernel's), or None where they are not all C's of one dtype."""
+    def dtype(linear: torch.nn.Module) -> torch.dtype | None:
+        if isinstance(linear, KernelLinear):
+            return linear.spec.dtype
+        return torch.float32 if isinstance(linear, MklLinear) else None
+
+    dtypes = {dtype(linear) for linear in _linears(layer)}
+    return dtypes.pop() if len(dtypes) == 1 else None
 
 
 def _layer_addresses(layer: DecoderLayer) -> list[int]:
@@ -256,14 +247,14 @@ def _what_it_reads(model: Transformer) -> list[object]:
     return found
 
 
-def _linear_entry(linear: MklLinear | AmxInt8Linear | Avx2Int8Linear | AmxLinear) -> list[int]:
+def _linear_entry(linear: MklLinear | KernelLinear) -> list[int]:
     """A linear's block (LIN_FN .. LIN_SCALE of the C source): the C function and op of
     the layer's own kernel (0, 0 for MKL's sgemm, which the header names), packed weight,
     bias and int8 scales (0 where absent)."""
     bias = 0 if linear.bias is None else linear.bias.data_ptr()
     if isinstance(linear, MklLinear):
         return [0, 0, linear.address, bias, 0]
-    scale = linear.scale.data_ptr() if isinstance(linear, KernelInt8Linear) else 0
+    scale = 0 if linear.scale is None else linear.scale.data_ptr()
     return [*linear.c_entry(), linear.packed.data_ptr(), bias, scale]
 
 
@@ -323,8 +314,6 @@ def _agrees(lib: ctypes.CDLL) -> bool:
     mask, a padded source, the second and third sentences fed; features to float
     rounding, and this position's keys and values written where they belong."""
     from nmt.config import model_preset
-    from nmt.inference.int8_linear import make_int8_linear
-    from nmt.inference.packed_linear import swap_linears
 
     if not (fused_attention.enabled() and add_norm.enabled()):
         return False
@@ -332,14 +321,16 @@ def _agrees(lib: ctypes.CDLL) -> bool:
     if lib.nmt_decoder_step_layer_params() != LAYER_PARAMS:
         return False  # the C source's layer block and `_layer_addresses` disagree
     # MKL's linears where there are any (bit-identical ones: a tight tolerance), else the
-    # int8 kernel's (a quantized activation may round the other way: a loose one)
+    # int8 layers this CPU gets (a quantized activation may round the other way: a loose
+    # one), where C can call them
     exact = mkl_linear.mkl() is not None
-    if not (exact or amx_linear.int8_available() or avx2_linear.available()):
-        return False
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = Transformer(model_preset("tiny", vocab_size=40)).eval()
-        swap_linears(model, MklLinear if exact else make_int8_linear)
+        backends.swap_linears(model, MklLinear if exact else
+                              lambda weight, bias: backends.layer(weight, bias, "int8"))
+        if _activations(model.decoder[0]) is None:
+            return False
         cfg, groups, g, position = model.config, 3, 2, 3
         heads, d_k, d_v = cfg.heads, cfg.head_dim_k, cfg.head_dim_v
         keys = [torch.randn(groups, heads, 8, g, d_k) for _ in model.decoder]
@@ -399,4 +390,4 @@ def _reference(model: Transformer, tokens: Tensor, positions: Tensor, state: _Ch
     return x
 
 
-KERNEL = kernels.Kernel("native_step", "nmt_decoder_step", PARAMS, _agrees, "NMT_NATIVE_STEP")
+KERNEL = kernels.Kernel("native_step", "nmt_decoder_step", PARAMS, _agrees)

@@ -8,7 +8,6 @@ each row twice, once for its maximum and block maxima, once from the L1 cache fo
 sum of exponentials, and scans only the k blocks that can hold the top k. Built at
 install, loaded for this CPU and checked once per process against PyTorch (nmt/kernels);
 where no library applies, `kernel_for` returns None and the search takes PyTorch's path.
-NMT_FUSED_TOPK=0 turns it off.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ FREE, NONE = -1, -2  # `only` entries: the usual rule; no column allowed
 
 
 def enabled() -> bool:
-    """Whether the kernel is wanted (NMT_FUSED_TOPK) and built and checked here."""
+    """Whether the kernel is built and checked here."""
     return KERNEL.enabled()
 
 
@@ -109,4 +108,4 @@ def _agrees(lib: ctypes.CDLL) -> bool:
     return True
 
 
-KERNEL = kernels.Kernel("step_topk", "nmt_step_topk", PARAMS, _agrees, "NMT_FUSED_TOPK")
+KERNEL = kernels.Kernel("step_topk", "nmt_step_topk", PARAMS, _agrees)

@@ -36,11 +36,8 @@ from nmt.data.vocab import Vocab
 from nmt.device import resolve_device
 from nmt.errors import CheckpointError, DataError, UsageError
 from nmt.host_memory import INFERENCE_ONEDNN_CACHE, keep_freed_memory, size_onednn_cache
-from nmt.inference import step_topk
+from nmt.inference import add_norm, backends, fused_attention, step_topk
 from nmt.inference.decoding import DecodingWorkspace
-from nmt.inference.int8_linear import output_projection as int8_output_projection
-from nmt.inference.int8_linear import quantize_for_inference
-from nmt.inference.packed_linear import pack_for_inference
 from nmt.inference.search import (
     EnsembleStepDecoder,
     Hypothesis,
@@ -50,7 +47,6 @@ from nmt.inference.search import (
     sample_decode,
 )
 from nmt.inference.workers import WorkerPool, check_workers, fork_safe_threads
-from nmt.model import add_norm, fused_attention
 from nmt.precision import resolve_precision
 from nmt.special_ids import EOS_ID, PAD_ID
 
@@ -231,13 +227,8 @@ class Engine:
                                       "ensemble needs models trained on one vocabulary")
             vocab = model_vocab
             model = model.to(_DTYPES[precision])
-            projection = None
-            if precision == "int8" and quantize_for_inference(model):  # int8 linears
-                projection = int8_output_projection(model.output_weight)
-            else:
-                pack_for_inference(model)  # CPU fp32/bf16: oneDNN linears, weights packed once
             models.append(model)
-            projections.append(projection)
+            projections.append(backends.prepare(model, precision))  # CPU: faster linears
         assert vocab is not None
         return cls(models, vocab, cfg, dev, max_src_len, seed, projections, precision,
                    parameters)

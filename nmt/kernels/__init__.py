@@ -86,12 +86,11 @@ class Status:
 class Kernel:
     """One C kernel: `entry` its function taking one int64 parameter block of `params`
     entries (`entry`_params() says how many it reads), `agrees(lib)` its check against
-    PyTorch; `switch_name` an NMT_* switch that turns it off ("0")."""
+    PyTorch."""
 
     def __init__(self, name: str, entry: str, params: int,
-                 agrees: Callable[[ctypes.CDLL], bool], switch_name: str) -> None:
+                 agrees: Callable[[ctypes.CDLL], bool]) -> None:
         self.name, self.entry, self.params, self.agrees = name, entry, params, agrees
-        self.switch_name = switch_name
         self._loaded: dict[tuple[str, ...], tuple[ctypes.CDLL | None, Status]] = {}
 
     def path(self, level: str) -> Path:
@@ -103,7 +102,7 @@ class Kernel:
         return self._load()[0]
 
     def enabled(self) -> bool:
-        """Whether the kernel is wanted, built for this CPU and checked here."""
+        """Whether the kernel is built for this CPU and checked here (and not turned off)."""
         return self.library() is not None
 
     def status(self) -> Status:
@@ -115,8 +114,8 @@ class Kernel:
         self._loaded.clear()
 
     def _load(self) -> tuple[ctypes.CDLL | None, Status]:
-        if switch("NMT_KERNELS") == "0" or switch(self.switch_name) == "0":
-            return None, Status(None, "turned off by NMT_KERNELS=0 or " + self.switch_name)
+        if switch("NMT_KERNELS") == "0":
+            return None, Status(None, "turned off by NMT_KERNELS=0")
         key = tuple(os.environ.get(name, "") for name in CAP_VARIABLES)
         if key not in self._loaded:
             self._loaded[key] = self._choose()

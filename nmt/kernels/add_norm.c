@@ -4,7 +4,7 @@
  * back for its moments and again for the output); this kernel keeps each row in the L1
  * cache: it sums x + s into the output row while adding up the row, takes the variance
  * about the mean in a second pass and normalises in place in a third
- * (nmt/model/add_norm.py builds and calls it). bfloat16 rows are summed as PyTorch's
+ * (nmt/inference/add_norm.py calls it). bfloat16 rows are summed as PyTorch's
  * bfloat16 add would (the sum rounded to bfloat16), then normalised in float32 and rounded
  * once, as its layer_norm does. Every row is computed alone, so a row's result never depends
  * on the other rows of its batch.

@@ -3,7 +3,7 @@
  * softmax(q . k * scale + mask) . v for every (entry, head, query) of a step: each key and
  * value read once, the scores, mask and softmax in a scratch row of the L1 cache, and keys
  * the mask hides (-inf) never touched. Eager PyTorch spends 6-8 dispatched ops and as many
- * passes over memory on the same (nmt/model/fused_attention.py builds and calls this;
+ * passes over memory on the same (nmt/inference/fused_attention.py calls this;
  * docs/performance.md has the measurements).
  *
  * Shapes: q (E, H, G, D), k (E', H, L, D), v (E', H, L, DV), mask (E', 1, G, L) additive

@@ -16,10 +16,8 @@ from torch import Tensor, nn
 
 from nmt.config import ModelConfig
 from nmt.errors import UsageError
-from nmt.model.add_norm import add_norm_
 from nmt.model.attention import CrossAttention, SelfAttention, xavier_chunks_
 from nmt.model.dropout import dropout
-from nmt.model.incremental import LayerCache
 
 
 def sinusoids(length: int, d_model: int) -> Tensor:
@@ -108,13 +106,7 @@ class Residual(nn.Module):
         return self.norm(x) if self.pre_norm else x
 
     def after(self, x: Tensor, sublayer_out: Tensor) -> Tensor:
-        """Combine the residual `x` with the sub-layer output. Post-norm at inference on a
-        CPU: one C kernel that writes the result over `sublayer_out` (every caller passes
-        the sub-layer's fresh output, used nowhere else; nmt/model/add_norm.py)."""
-        if not (self.training or self.pre_norm):
-            fused = add_norm_(sublayer_out, x, self.norm)
-            if fused is not None:
-                return fused
+        """Combine the residual `x` with the sub-layer output."""
         y = x + dropout(sublayer_out, self.dropout, self.training)
         return y if self.pre_norm else self.norm(y)
 
@@ -157,24 +149,9 @@ class DecoderLayer(nn.Module):
         from padding (pads only ever follow it); is_causal=True applies it, no mask tensor.
         """
         x = self.res_self.after(x, self.self_attn(self.res_self.before(x), is_causal=True))
-        cross, _ = self.cross_attn(self.res_cross.before(x), cross_k, cross_v, cross_mask)
+        cross = self.cross_attn(self.res_cross.before(x), cross_k, cross_v, cross_mask)
         x = self.res_cross.after(x, cross)
         return self.res_ffn.after(x, self.ffn(self.res_ffn.before(x)))
-
-    def incremental(self, x: Tensor, cache: LayerCache, need_weights: bool = False
-             ) -> tuple[Tensor, Tensor | None]:
-        """One incremental step on `x` (m, 1, d_model), the newest position of the
-        `cache.live` rows (all rows when None): self-attention writes to and reads from
-        `cache`, encoder-decoder attention reads the encoder K/V it holds (see
-        nmt/model/incremental.py). Every projection and the feed-forward net run on the m
-        rows fed. Returns (output (m, 1, d_model), cross-attention weights (m, heads,
-        src_len) when `need_weights`, else None).
-        """
-        x = self.res_self.after(x, self.self_attn.incremental(self.res_self.before(x), cache))
-        cross, weights = self.cross_attn.incremental(self.res_cross.before(x), cache, need_weights)
-        x = self.res_cross.after(x, cross)
-        x = self.res_ffn.after(x, self.ffn(self.res_ffn.before(x)))
-        return x, weights
 
 
 def embedding_scale(d_model: int) -> float:

@@ -11,14 +11,15 @@ projects only the non-padding target positions to the vocabulary (`decode_featur
 `logits` do the same outside DistributedDataParallel).
 
 Incremental decoding (one target position at a time over a key/value cache, for search)
-lives in nmt/inference/decoding.py; it drives the same modules through `embed_tokens`, the layers'
-`incremental` methods and `dec_norm`. Inputs longer than `config.max_positions` raise UsageError;
-`nmt translate` truncates first. Imports torch and the network modules only: no files, no
-CLI, no search.
+lives in nmt/inference/ (decoding.py, layer_step.py); it runs the same modules one position a
+step, through `embed_tokens`, the layers' parameters and `dec_norm`. Inputs longer than
+`config.max_positions` raise UsageError; `nmt translate` truncates first. Imports torch and
+the network modules only: no files, no CLI, no search.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,6 @@ from nmt.model.layers import (
     Residual,
     embedding_scale,
 )
-from nmt.model.row_buckets import linear_rows
 
 
 @dataclass
@@ -64,7 +64,6 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
         self.scale = embedding_scale(cfg.d_model)
         self.embed_dropout = cfg.dropout  # scale_dropout sets it
-        self.row_multiple = 0  # > 1: the output projection's rows rounded up (row_buckets)
         self.enc_positions = Positions(cfg)
         self.dec_positions = Positions(cfg)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
@@ -105,10 +104,14 @@ class Transformer(nn.Module):
         x = self.embed(tokens) * self.scale + positions
         return dropout(x, self.embed_dropout, self.training)
 
-    def encode(self, src: Tensor, has_pad: bool | None = None) -> EncoderOutput:
+    def encode(self, src: Tensor, has_pad: bool | None = None,
+               layer_step: Callable[[EncoderLayer, Tensor, Tensor | None], Tensor] | None = None
+               ) -> EncoderOutput:
         """Encode `src` (batch, src_len) of ids (pieces + EOS, right-padded with PAD).
 
         `has_pad` tells whether any row has padding; None computes it (one host sync).
+        `layer_step(layer, x, mask)` runs each layer in place of `layer(x, mask)` (the same
+        function computed another way: inference's fast paths, nmt/inference/layer_step.py).
         """
         padding_mask = src.eq(self.config.pad_id)  # (batch, src_len)
         if has_pad is None:
@@ -117,7 +120,7 @@ class Transformer(nn.Module):
         mask = key_padding_mask(padding_mask) if has_pad else None
         x = self.embed_tokens(src, self.enc_positions(src.size(1)))  # (batch, src_len, d_model)
         for layer in self.encoder:
-            x = layer(x, mask)
+            x = layer(x, mask) if layer_step is None else layer_step(layer, x, mask)
         if self.enc_norm is not None:
             x = self.enc_norm(x)
         return EncoderOutput(states=x, padding_mask=padding_mask, has_pad=has_pad)
@@ -142,8 +145,6 @@ class Transformer(nn.Module):
     def logits(self, features: Tensor) -> Tensor:
         """Output projection with the shared embedding matrix: (..., d_model) -> (..., vocab),
         in the compute dtype (the loss or search casts as it needs)."""
-        if self.row_multiple > 1:  # bf16 training on AMX: nmt/model/row_buckets.py
-            return linear_rows(features, self.embed.weight, None, self.row_multiple)
         return F.linear(features, self.embed.weight)
 
     def forward(self, src: Tensor, tgt_in: Tensor, has_pad: bool | None = None,

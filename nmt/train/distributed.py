@@ -161,7 +161,7 @@ def fingerprint(model_cfg: ModelConfig, cfg: TrainConfig, precision: str,
     return {
         "model config": model_cfg.to_dict(), "settings": cfg.to_dict(),
         "precision": precision, "device type": device.type,
-        # The two paths order their collectives differently (NMT_DEFER_STATS).
+        # The two read-backs order their collectives differently (nmt/train/readback.py).
         "statistics read": "deferred" if deferred else "in-line",
         "train split (pairs, source tokens, target tokens)": sizes(train),
         "valid split (pairs, source tokens, target tokens)": sizes(valid),

@@ -2,11 +2,13 @@
 
 One update: `update_freq` micro-batches per process, each rank on its own shard of the
 epoch's batches, the loss normalised by the update's target tokens over all ranks (counted
-on the host from the length arrays). The host reads one small tensor per update (loss,
-NLL, gradient norm, the save/stop/preemption flags): at once on a CPU (`_train_in_line`);
-on CUDA one update late, so the GPU never waits (`_train_deferred`). Either way `_settle`
-then acts on it, in order: apply or skip, count, log, validate, save. A non-finite update
-never reaches the weights. How and why: docs/training.md.
+on the host from the length arrays). One loop (`Trainer._train`) launches each update,
+applies or skips it and settles it; the host reads one small tensor per update (loss, NLL,
+gradient norm, the save/stop/preemption flags) through a `Readback` that is immediate on a
+CPU and deferred on CUDA: there the next update is launched before this one is settled and
+the skip of a non-finite update is decided on the device, so the GPU never waits. `_settle`
+then acts on the numbers, in order: count, log, validate, save. A non-finite update never
+reaches the weights. How and why: docs/training.md.
 """
 
 from __future__ import annotations
@@ -61,11 +63,11 @@ from nmt.train.setup import (
 )
 from nmt.train.state import LAST, DataState, Training, capture_rng, save_training, write_best
 from nmt.train.step import (
+    DeviceSkip,
     LossOptions,
     advance,
     apply_update,
     compiled,
-    launch_update,
     nonfinite,
     train_step,
 )
@@ -101,6 +103,7 @@ class _Run:
     window: LogWindow = field(default_factory=LogWindow)
     watch: PreemptionWatch = field(default_factory=PreemptionWatch)
     preempted: bool = False  # some rank got SIGTERM/SIGUSR1: saved, stopping
+    out_of_data: bool = False  # --max-epochs reached
 
     def elapsed(self) -> float:
         """Training seconds in all, this process's included."""
@@ -117,33 +120,41 @@ class _Launched:
     flags: list[float]  # this rank's save/stop/preempt flags and elapsed seconds (rank 0)
     tgt_tokens: int  # target tokens of the update, all ranks
     src_tgt_tokens: int  # source + target tokens, all ranks
-    found_inf: torch.Tensor | None  # deferred path: 1.0 on the device where not finite
-    rng_before: dict[str, Any] | None  # deferred path: RNG state before its dropout
+    skip: torch.Tensor | None  # deferred: True on the device where not finite (`nonfinite`)
+    rng_before: dict[str, Any] | None  # deferred: RNG state before its dropout
+
+    def finite(self) -> bool:
+        """Whether its loss sum and gradient norm are finite (reads its statistics)."""
+        values = self.stats.values()
+        return math.isfinite(values[0]) and math.isfinite(values[-1])
 
 
 class Trainer:
-    """Holds the model, optimiser and data of one run; `run()` trains to the limits."""
+    """Holds the model, optimiser and data of one run; `run()` trains to the limits.
+    `deferred`: read each update's statistics one update late (see the module doc); None:
+    on CUDA alone. Both orders train exactly alike, so a CPU test may run CUDA's."""
 
     def __init__(self, data_dir: Path, run_dir: Path, model_cfg: ModelConfig,
                  train_cfg: TrainConfig, device: str = "auto",
                  meta: dict[str, Any] | None = None,
                  progress: bool | TrainReporter = True,
                  init_from: Path | None = None, reset_optimizer: bool = False,
-                 tensorboard: Path | None = None) -> None:
+                 tensorboard: Path | None = None, deferred: bool | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.run_dir = Path(run_dir)
         self.train_cfg = train_cfg
         self.tensorboard = tensorboard  # also write TensorBoard events there
         self.env, self.device = join(device, train_cfg.precision)
         try:  # a rank that fails here leaves the process group, or gloo aborts at exit
-            self._set_up(model_cfg, train_cfg, meta, progress, init_from, reset_optimizer)
+            self._set_up(model_cfg, train_cfg, meta, progress, init_from, reset_optimizer,
+                         deferred)
         except BaseException:
             shutdown(self.env)
             raise
 
     def _set_up(self, model_cfg: ModelConfig, train_cfg: TrainConfig,
                 meta: dict[str, Any] | None, progress: bool | TrainReporter,
-                init_from: Path | None, reset_optimizer: bool) -> None:
+                init_from: Path | None, reset_optimizer: bool, deferred: bool | None) -> None:
         """Data, model, optimiser, resume point and logs of the run (after joining)."""
         self.vocab = load_vocab(self.data_dir)
         self.model_cfg = checked_model_config(model_cfg, train_cfg, len(self.vocab))
@@ -157,26 +168,29 @@ class Trainer:
         self.update_freq = self.batching.update_freq
         built = build_model(self.model_cfg, train_cfg, self.device, self.env.rank)
         self.model, self.optimizer, self.schedule = built.model, built.optimizer, built.schedule
-        self.scaler, self.precision, self.deferred = built.scaler, built.precision, built.deferred
+        self.scaler, self.precision = built.scaler, built.precision
+        # Statistics to the host (flags to the device), at once or one update late; late,
+        # the skip of a non-finite update is decided on the device.
+        self.readback = Readback(self.device, deferred)
+        self.device_skip = DeviceSkip(self.device) if self.readback.deferred else None
         # bf16/fp16 that is slow on this CPU, or `auto` passing over native bf16: why.
         self.precision_note = precision_note(self.precision, self.device, training=True,
                                              setting=train_cfg.precision) \
             if self.env.is_main else None
         check_ranks_agree(self.env, fingerprint(
-            self.model_cfg, train_cfg, self.precision, self.device, self.deferred,
+            self.model_cfg, train_cfg, self.precision, self.device, self.readback.deferred,
             self.train_data, self.valid_data, self.vocab.proto))
         self.ema = WeightAverage(self.model, train_cfg.ema_decay) if train_cfg.ema_decay \
             else None
         self.best = BestTracker(train_cfg.best_metric, train_cfg.patience)
         self.notes: list[str] = []  # said once training starts (after the progress bar)
-        self.readback = Readback(self.device)  # statistics to the host, flags to the device
         # Prepare the next update's batches on a thread while the GPU computes (CUDA only).
         self.prefetch = self.device.type == "cuda"
         # Output projection + loss chunked over rows, never the whole (rows, vocab) logits
         # (auto: CUDA only; on a CPU the recomputed logits cost 1.3x at base shapes).
         self.fused_loss = fused_loss_enabled(train_cfg.fused_loss, self.device)
         self.loss_options = LossOptions(train_cfg.label_smoothing, self.model_cfg.pad_id,
-                                        fused=self.fused_loss)
+                                        fused=self.fused_loss, project=built.linear)
         self.step = self.resumed_from = 0
         self.data_state = DataState()
         self.elapsed_before = 0.0
@@ -267,14 +281,13 @@ class Trainer:
                 if self.best.exhausted:  # resumed from the checkpoint an early stop wrote
                     run.summary.stopped_early = True
                     self.log.say(self.best.stop_note(self.step, before=True))
-                train = self._train_deferred if self.deferred else self._train_in_line
                 if self._time_spent():
                     rng = None
                     self.log.say(f"the budget of {self.train_cfg.max_minutes:g} minutes is "
                                  f"spent ({self.elapsed_before / 60:.2f} minutes trained): "
                                  "no update to make")
                 else:
-                    rng = train(feed, run)
+                    rng = self._train(feed, run)
                 # Decided from what every rank knows alike, never from files: a rank that looked
                 # at RUN while rank 0 was still writing would enter a collective alone.
                 if (self.step != run.saved_step or self.step == 0) and not run.preempted:
@@ -323,57 +336,45 @@ class Trainer:
         budget = self.train_cfg.max_minutes * 60
         return budget > 0 and self.elapsed_before >= budget
 
-    def _train_in_line(self, feed: Prefetcher, run: _Run) -> dict[str, Any] | None:
-        """Updates until a limit, a stop flag or the end of the data, each launched, read and
-        applied or skipped from the host (the CPU path). Returns None: a save after them
-        records the current RNG state."""
-        while not run.summary.stopped_early and self.step < self.train_cfg.max_updates:
-            nxt = feed.next()
-            if nxt is None:  # --max-epochs reached
-                if self.feed.epoch_end is not None:
-                    self.data_state = self.feed.epoch_end
-                return None
-            if self._settle(self._launch(*nxt, run), run, None):
-                return None
+    def _train(self, feed: Prefetcher, run: _Run) -> dict[str, Any] | None:
+        """Updates until a limit, a stop flag or the end of the data; returns the RNG state
+        a save after them must record (None: the current one).
+
+        Each update is launched (`_launch`), applied or skipped (`_apply`) and settled
+        (`_settle`). With an immediate read-back that is all, update after update. Deferred,
+        the next update is launched before this one is settled, and its optimizer step
+        queued right after, so the GPU never waits for the host: everything the host
+        decides from the numbers happens one update late but on the same state, so both
+        orders train exactly alike. An update launched after the one that stopped
+        training is dropped unapplied.
+        """
+        current = self._next(feed, run, in_flight=0)
+        while current is not None:
+            self._apply(current)
+            after = self._next(feed, run, in_flight=1) if self.readback.deferred else None
+            rng = after.rng_before if after is not None else None
+            if self._settle(current, run, rng):
+                if after is not None:  # its gradients go; the weights never saw it
+                    self.optimizer.zero_grad(set_to_none=True)
+                return rng
+            # Deferred, `after` is None where the update just settled was to be the last:
+            # one more is needed if it was skipped.
+            current = after if after is not None else self._next(feed, run, in_flight=0)
+        if run.out_of_data and self.feed.epoch_end is not None:
+            self.data_state = self.feed.epoch_end
         return None
 
-    def _train_deferred(self, feed: Prefetcher, run: _Run) -> dict[str, Any] | None:
-        """Updates until a limit, a stop flag or the end of the data, the host one update
-        behind the device (CUDA, `defer_statistics`); returns the RNG state a save after
-        them must record (None: the current one).
-
-        Update k + 1 is launched before update k's statistics are read, and each update's
-        optimizer step is queued right behind its backward with the skip decided on the
-        device (`launch_update`), so the GPU never waits for the host. Everything the host
-        decides from the numbers (`_settle`) happens one update late but on the same state,
-        so this path trains exactly like `_train_in_line`; an update launched after the
-        one that stopped training is dropped unapplied.
-        """
-        behind: _Launched | None = None  # stepped on the device, its numbers not yet read
-        rng: dict[str, Any] | None = None  # as before the dropout of the update after
-        while not run.summary.stopped_early:
-            wanted = self.step + (behind is not None) < self.train_cfg.max_updates
-            nxt = feed.next() if wanted else None
-            launched = self._launch(*nxt, run) if nxt is not None else None
-            if behind is not None:
-                rng = launched.rng_before if launched is not None else None
-                stop, behind = self._settle(behind, run, rng), None
-                if stop:
-                    if launched is not None:  # its gradients go; the weights never saw it
-                        self.optimizer.zero_grad(set_to_none=True)
-                    return rng
-            if launched is None:
-                if wanted:  # --max-epochs reached
-                    if self.feed.epoch_end is not None:
-                        self.data_state = self.feed.epoch_end
-                    return rng
-                if self.step >= self.train_cfg.max_updates:
-                    return rng
-                continue  # the last update in flight was skipped: one more is needed
-            assert launched.found_inf is not None
-            launch_update(self.optimizer, self.scaler, self.precision, launched.found_inf)
-            behind = launched
-        return rng
+    def _next(self, feed: Prefetcher, run: _Run, in_flight: int) -> _Launched | None:
+        """The next update launched; None where training stopped early, where
+        --max-updates is reached counting the `in_flight` updates not yet settled, or at
+        the end of the data (--max-epochs)."""
+        if run.summary.stopped_early or self.step + in_flight >= self.train_cfg.max_updates:
+            return None
+        nxt = feed.next()
+        if nxt is None:
+            run.out_of_data = True
+            return None
+        return self._launch(*nxt, run)
 
     # ----- one update -----
 
@@ -398,7 +399,7 @@ class Trainer:
                  else [0., 0., signalled, 0.])
         # Deferred: a save after the previous update must restore the RNG as it was
         # before this update's dropout, which runs before that save.
-        rng_before = capture_rng(self.device) if self.deferred else None
+        rng_before = capture_rng(self.device) if self.readback.deferred else None
         all_ids = np.concatenate(update.all_batches)
         tgt_tokens = int(self.feed.tgt_cost[all_ids].sum())
         src_tgt_tokens = tgt_tokens + int(self.feed.src_cost[all_ids].sum())
@@ -412,35 +413,40 @@ class Trainer:
             torch.distributed.all_reduce(stats)
         gnorm = step.grad_norm.float().reshape(1).to(stats.device)
         values = torch.cat([stats, gnorm])  # (2 [+ 3 flags] + 1,)
-        found_inf = nonfinite(values[0], values[-1]) if self.deferred else None
+        skip = nonfinite(values[0], values[-1]) if self.device_skip is not None else None
         return _Launched(update, self.readback.start(values), flags, tgt_tokens,
-                         src_tgt_tokens, found_inf, rng_before)
+                         src_tgt_tokens, skip, rng_before)
+
+    def _apply(self, launched: _Launched) -> None:
+        """Step the optimizer for `launched`, or skip it where its loss or gradient norm is
+        not finite, and clear its gradients: decided by the host from its numbers where
+        they are read at once, else on the device, before the host has them."""
+        if self.device_skip is None:
+            apply_update(self.optimizer, self.scaler, launched.finite())
+        else:
+            assert launched.skip is not None
+            self.device_skip.apply_update(self.optimizer, self.scaler, launched.skip)
 
     def _settle(self, launched: _Launched, run: _Run, rng: dict[str, Any] | None) -> bool:
-        """The host's part of an update, in order: read its statistics; apply or skip it
-        (deferred path: only the schedule and weight average, the optimizer having stepped
-        on the device); count it; log, validate and save when due (`rng`: see `_save`).
-        True: stop training."""
+        """The host's part of an update, in order: read its statistics; advance the
+        schedule and weight average if it was applied; count it; log, validate and save
+        when due (`rng`: see `_save`). True: stop training."""
         cfg, summary = self.train_cfg, run.summary
-        values = launched.stats.values()  # the update's one host sync
+        values = launched.stats.values()  # the update's one host sync (or `_apply`'s)
         loss, nll, gnorm = values[0], values[1], values[-1]
         save_flag, stop_flag, preempt_flag, elapsed = (values[2:-1] if self.env.active
                                                        else launched.flags)
         if preempt_flag:
             run.preempted = True
             save_flag = stop_flag = 1.0
-        finite = math.isfinite(loss) and math.isfinite(gnorm)
+        finite = launched.finite()
 
         self.data_state = launched.update.after
         lr = self.schedule.lr  # what this update used; the next one's is set below
         progress = budget_progress(cfg, self.step + 1, elapsed, self.data_state.epoch,
                                    self.data_state.index, self.epoch_batches.size)
         used_dropout = self.dropout_factor  # what this update used
-        if self.deferred:
-            advance(self.schedule, self.ema, finite, progress)
-        else:
-            apply_update(self.optimizer, self.scaler, self.schedule, self.precision, finite,
-                         self.ema, progress)
+        advance(self.schedule, self.ema, finite, progress)
         self._schedule_dropout()
 
         run.window.add(finite, loss, nll, launched.tgt_tokens, launched.src_tgt_tokens)
@@ -505,8 +511,8 @@ class Trainer:
               rng: dict[str, Any] | None = None) -> None:
         """Save a checkpoint now (`resume_only`: checkpoint_last.pt alone, see
         write_resume_point) and remember it in `run`. `rng`: the RNG state to record, on
-        the deferred path as it was before the dropout of an update launched after this
-        one (see `_launch`); None: as it is now."""
+        the deferred read-back as it was before the dropout of an update launched after
+        this one (see `_launch`); None: as it is now."""
         path = save_training(self.env, self.run_dir, self._training(), step=self.step,
                              data_state=self.data_state, rng=rng,
                              model_config=self.model_cfg.to_dict(),

@@ -1,14 +1,16 @@
 """An update's statistics on their way to the host, read when the host needs them.
 
 `nmt train` reads a handful of numbers per update (loss and NLL sums, gradient norm, the
-ranks' save/stop flags). Reading them with `.tolist()` right after the backward makes the
-host wait for the GPU to finish the update, and the GPU then waits for the host to launch
-the next one. `Readback.start` instead queues a non-blocking device-to-host copy into a
-pinned buffer and records an event; `Readback.values` waits for that event only, by which
-time the next update is already queued behind it. Two buffers alternate so that a copy
-still in flight is never overwritten by the next update's (the host reads update k before
-it starts the copy of update k + 2). On a CPU the copy is synchronous and the event is
-not needed.
+ranks' save/stop flags). A `Readback` is immediate or deferred, which sets the order of the
+training loop (nmt/train/loop.py): immediate, the host reads an update's numbers before it
+launches the next update (a CPU, whose work is synchronous anyway); deferred, it reads them
+one update late (CUDA: reading them at once would make the host wait for the GPU to finish
+the update, and the GPU then wait for the host to launch the next one). Either way
+`Readback.start` queues the copy: on CUDA a non-blocking device-to-host copy into a pinned
+buffer and an event, which `Pending.values` waits for alone, by which time the next update
+is queued behind it. Two buffers alternate so that a copy still in flight is never
+overwritten by the next update's (the host reads update k before it starts the copy of
+update k + 2). On a CPU the copy is synchronous and the event is not needed.
 
 The flags travel the other way (host to device, for the all-reduce) through a pair of
 pinned buffers for the same reason: `torch.tensor(x, device=cuda)` from pageable memory
@@ -39,10 +41,12 @@ class _Pinned:
 
 
 class Readback:
-    """Device-to-host copies of one small float tensor per update (see the module doc)."""
+    """Device-to-host copies of one small float tensor per update (see the module doc).
+    `deferred`: read one update late; None: on CUDA alone (a CPU test may ask for it)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, deferred: bool | None = None) -> None:
         self.device = device
+        self.deferred = device.type == "cuda" if deferred is None else deferred
         self._host = _Pinned(device)
         self._flags = _Pinned(device)
 

@@ -276,7 +276,7 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig,
     """Adam(beta1, beta2, eps) as in the paper, as torch's fused kernel on a CPU and on
     CUDA (one pass over the weights: on a CPU foreach Adam loops tensor by tensor and took
     4x as long), foreach elsewhere or with `fused=False`. The fused kernel can also skip a
-    step on the device: see nmt/train/step.py `launch_update`."""
+    step on the device: see nmt/train/step.py `DeviceSkip`."""
     if fused is None:
         fused = device.type in ("cpu", "cuda")
     return torch.optim.Adam(list(params), lr=0.0, betas=(cfg.adam_beta1, cfg.adam_beta2),
@@ -293,7 +293,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
     torch takes the saved param groups whole, `fused`/`foreach` included, and places the
     step counters by them: a run saved on a CPU (foreach Adam) and resumed on a GPU would
     go on with foreach Adam and host-side step counters, which cannot skip a step on the
-    device (nmt/train/step.py `launch_update`), and a GPU run resumed on a CPU would switch
+    device (nmt/train/step.py `DeviceSkip`), and a GPU run resumed on a CPU would switch
     to the fused kernel. The hyperparameters and moments come from `state`; how the
     kernel runs stays as `build_optimizer` chose it here."""
     ours = optimizer.param_groups

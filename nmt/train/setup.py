@@ -25,12 +25,10 @@ from nmt.host_memory import (
     keep_freed_memory,
     size_onednn_cache,
 )
-from nmt.inference import amx_linear
-from nmt.model import row_buckets
 from nmt.model.transformer import Transformer
 from nmt.precision import grad_scaler, resolve_precision
-from nmt.switches import switch
 from nmt.train.distributed import DistEnv, init_distributed
+from nmt.train.linears import Linear, choice, training_linear, use
 from nmt.train.log import (
     JsonlLog,
     PlainReporter,
@@ -41,7 +39,6 @@ from nmt.train.log import (
 )
 from nmt.train.sampling import EpochBatches
 from nmt.train.schedule import Schedule, build_optimizer, build_schedule
-from nmt.train.step import defer_statistics
 from nmt.train.tensorboard import TeeLog, TensorBoardLog
 
 
@@ -49,7 +46,7 @@ def join(device: str, precision: str = "auto") -> tuple[DistEnv, torch.device]:
     """Join the process group (under torchrun) and pick this process's device, set up for
     training: CUDA's allocator before its first allocation; on a CPU, a bounded oneDNN
     kernel cache (one kernel per batch shape; larger where rows come in steps,
-    nmt/model/row_buckets.py, and shapes recur) and freed memory kept for reuse.
+    nmt/train/linears.py, and shapes recur) and freed memory kept for reuse.
     `precision` is the setting (auto too): the cache is sized before anything, the
     measurement behind `auto` included, runs a oneDNN kernel."""
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
@@ -103,42 +100,41 @@ def epoch_batches(data_dir: Path, data: ParallelData, micro_tokens: int, cfg: Tr
 
 @dataclass
 class Model:
-    """The network and what updates it. `deferred`: the statistics are read one update
-    late (CUDA; `defer_statistics`), which needs Adam's fused kernel."""
+    """The network and what updates it."""
 
     model: Transformer
     optimizer: torch.optim.Optimizer
     schedule: Schedule
     scaler: torch.amp.GradScaler
     precision: str  # resolved: fp32, bf16 or fp16
-    deferred: bool
+    linear: Linear | None  # what its linear layers compute with (nmt/train/linears.py)
 
 
 def buckets_rows(device: torch.device, precision: str) -> bool:
-    """Whether training on `device` in `precision` rounds its linear layers' rows up
-    (nmt/model/row_buckets.py): bf16 on a CPU whose oneDNN uses AMX (the AMX kernel's test
-    of the CPU and the ISA caps), unless NMT_ROW_BUCKETS=0. On such a CPU `auto` is bf16
-    (AMX makes it pay), which is how `join` asks before `auto` is resolved."""
-    return (device.type == "cpu" and precision == "bf16" and switch("NMT_ROW_BUCKETS") != "0"
-            and amx_linear.has_amx())
+    """Whether training on `device` in `precision` rounds its linear layers' rows up, so that
+    oneDNN's kernels come in a few shapes (the table's `torch-rows64`, nmt/train/linears.py).
+    `join` asks before `auto` is resolved, as bf16: what `auto` is where rows are bucketed."""
+    return choice(device, precision) == "torch-rows64"
 
 
 def build_model(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, rank: int
                 ) -> Model:
     """The same initial weights on every rank (seeded by --seed), then each rank's own
-    dropout stream; Adam, the schedule, the precision `auto` resolves to and the scaler."""
+    dropout stream; Adam, the schedule, the precision `auto` resolves to, the scaler, and
+    the linear layers' function where the table picks another than PyTorch's (the output
+    projection's is the training step's: `LossOptions.project`)."""
     seed_everything(cfg.seed)
     model = Transformer(model_cfg).to(device)
     seed_everything(cfg.seed + rank)
-    deferred = defer_statistics(device)
-    optimizer = build_optimizer(model.parameters(), cfg, device, fused=True if deferred else None)
+    optimizer = build_optimizer(model.parameters(), cfg, device)
     precision = resolve_precision(cfg.precision, device)
     if precision == "fp32":
         allow_tf32(device)
-    if buckets_rows(device, precision):
-        row_buckets.bucket_rows(model)
+    linear = training_linear(device, precision)
+    if linear is not None:
+        use(model, linear)
     return Model(model, optimizer, build_schedule(optimizer, model_cfg.d_model, cfg),
-                 grad_scaler(device, enabled=precision == "fp16"), precision, deferred)
+                 grad_scaler(device, enabled=precision == "fp16"), precision, linear)
 
 
 def seed_everything(seed: int) -> None:

@@ -1,15 +1,14 @@
-"""One training update as a function: what `nmt train` runs and what the benches time.
+"""One training update as functions: what `nmt train` runs and what the benches time.
 
 `train_step` runs the forward and backward passes of an update's micro-batches and
 measures the gradient, with no host synchronisation: its `StepStats` are device tensors.
-Whether the update is applied is decided on those numbers, in one of two ways. On the
-host: the caller reads them (the Trainer once per update, all-reduced with its save/stop
-flags) and `apply_update` steps the optimizer (through the GradScaler in fp16), the
-schedule and the weight average, or skips a non-finite update. On the device (the CUDA
-path): `launch_update` steps a fused Adam that skips itself where `nonfinite` says so,
-before the host has read anything, and `advance` moves the schedule and weight average
-once the host has read the statistics, one update later. The Trainer keeps everything
-around it: data feed, ranks, logging, validation and checkpoints (nmt/train/loop.py).
+The update is then applied, or skipped where its loss sum or gradient norm is not finite,
+decided where the numbers are: on the host once it has read them (`apply_update`: on a
+CPU, where the Trainer reads them at once), or on the device before the host has read
+anything (`DeviceSkip`: on CUDA, where the Trainer reads them one update late so that the
+GPU never waits). `advance` then moves the schedule and weight average, from the host's
+reading. The Trainer keeps everything around it: data feed, ranks, logging, validation
+and checkpoints (nmt/train/loop.py).
 
 The loss of an update is the sum of token losses over all its micro-batches (and ranks)
 divided by the target tokens in all of them, counted on the host by the caller; DDP
@@ -27,9 +26,9 @@ from torch import Tensor, nn
 
 from nmt.model.transformer import Transformer
 from nmt.precision import autocast
-from nmt.switches import switch
 from nmt.train.ema import WeightAverage
 from nmt.train.feed import Micro
+from nmt.train.linears import Linear
 from nmt.train.loss import DEFAULT_CHUNK_ROWS, label_smoothed_nll, projected_smoothed_loss
 from nmt.train.schedule import Schedule, total_norm
 
@@ -48,13 +47,16 @@ class LossOptions:
     """How the loss is computed from the decoder. `fused`: the net returns decoder states
     and the output projection runs chunk by chunk inside the loss (never the whole
     (rows, vocab) logits; `chunk_rows` rows per chunk, `compiled`: its torch.compile'd
-    chunks); else the net returns logits."""
+    chunks). `project` (not fused; a CPU whose table picks another training linear,
+    nmt/train/linears.py): the net returns decoder states and they are projected here with
+    that function. Else the net returns logits."""
 
     label_smoothing: float
     pad_id: int
     fused: bool = False
     chunk_rows: int = DEFAULT_CHUNK_ROWS
     compiled: bool = False
+    project: Linear | None = None
 
 
 # Graphs one compiled model may keep: one per combination of the forward's flags
@@ -77,12 +79,15 @@ def micro_loss(net: nn.Module, model: Transformer, mb: Micro, opts: LossOptions
                ) -> tuple[Tensor, Tensor]:
     """(label-smoothed loss sum, NLL sum) of one micro-batch, under the caller's autocast.
     `net` is the model or its DDP wrapper; `model` the bare one (its output weight)."""
+    own = opts.project is not None and not opts.fused
     out = net(mb.batch.src, mb.batch.tgt_in, has_pad=mb.has_pad, select=mb.select,
-              project=not opts.fused)
+              project=not (opts.fused or own))
     if opts.fused:  # out: decoder states (rows, d_model)
         return projected_smoothed_loss(out, model.output_weight, mb.target.reshape(-1),
                                        opts.label_smoothing, pad_id=opts.pad_id,
                                        chunk_rows=opts.chunk_rows, compiled=opts.compiled)
+    if own:  # decoder states (rows, d_model) -> logits (rows, vocab)
+        out = opts.project(out, model.output_weight, None)
     return label_smoothed_nll(out, mb.target, opts.label_smoothing, opts.pad_id)  # logits
 
 
@@ -93,7 +98,8 @@ def train_step(net: nn.Module, model: Transformer,
                clip_norm: float = 0.0) -> StepStats:
     """Forward and backward over the update's micro-batches (each a Micro, or a callable
     returning one: the feed collates lazily), gradients unscaled and measured (clipped to
-    `clip_norm` when > 0). The optimizer is not stepped: see `apply_update`.
+    `clip_norm` when > 0). The optimizer is not stepped: see `apply_update` and
+    `DeviceSkip`.
 
     `tgt_tokens`: target tokens of the whole update on this rank's share of the scale
     (world_size / all ranks' tokens is applied per token). With DDP (`net` a
@@ -127,74 +133,56 @@ def train_step(net: nn.Module, model: Transformer,
 
 
 def apply_update(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                 schedule: Schedule | None, precision: str, finite: bool,
-                 ema: WeightAverage | None = None, progress: float = 0.0) -> None:
-    """Apply (or, not `finite`, skip) the update `train_step` prepared, decided on the
-    host: the optimizer step (fp16: through the GradScaler, which skips overflowed steps
-    and adjusts its scale), gradients cleared, then on success the schedule (told the
-    budget's `progress`) and the weight average advance."""
-    if precision == "fp16":
-        _scaled_step(optimizer, scaler)
-    elif finite:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    advance(schedule, ema, finite, progress)
-
-
-def _scaled_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
-    """fp16: the GradScaler steps the optimizer unless the gradients overflowed, and
-    adjusts its scale (decided on the device for a fused Adam, on the host otherwise)."""
-    scaler.step(optimizer)
+                 finite: bool) -> None:
+    """Apply the update `train_step` prepared, or skip it where not `finite` (decided on the
+    host, which has read its numbers), and clear its gradients. The scaler steps the
+    optimizer (disabled, fp32/bf16: a plain step) and adjusts its fp16 loss scale from the
+    overflow check of `train_step`'s unscale."""
+    if finite:
+        scaler.step(optimizer)
     scaler.update()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def nonfinite(loss_sum: Tensor, grad_norm: Tensor) -> Tensor:
-    """1.0 where the update's loss or gradient norm is not finite, else 0.0: a 0-dim
-    float32 device tensor (the `found_inf` of GradScaler's contract), no host sync."""
-    ok = torch.isfinite(loss_sum) & torch.isfinite(grad_norm)
-    return (~ok).to(torch.float32)
+    """True where the update's loss sum or gradient norm is not finite, the rule by which
+    the Trainer counts an update as skipped: a 0-dim bool device tensor, no host sync."""
+    return ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
 
 
-def defer_statistics(device: torch.device) -> bool:
-    """Whether the Trainer reads each update's statistics one update late, with the
-    optimizer's skip decided on the device (nmt/train/loop.py `Trainer._train_deferred`):
-    on CUDA, where waiting for the numbers would idle the GPU between updates. On a CPU
-    the work is synchronous anyway, so the in-line path reads them at once.
-    NMT_DEFER_STATS=1 or 0 forces the choice (the tests run the CUDA path on CPU processes
-    this way)."""
-    forced = switch("NMT_DEFER_STATS")
-    if forced in ("0", "1"):
-        return forced == "1"
-    return device.type == "cuda"
+class DeviceSkip:
+    """Apply an update or skip it on the device, before the host has read its numbers,
+    through the public way torch hands a device-side verdict to an optimizer: `GradScaler.
+    step` checks the gradients and passes what it found to a fused optimizer, whose kernel
+    then does nothing (its step counters rolled back) where something was not finite; no
+    host sync. (An optimizer without that kernel is skipped from the host: correct, but a
+    sync.)
 
+    The check must skip exactly the updates the host counts as skipped (`nonfinite`). It
+    looks at the gradients alone: a gradient that is not finite makes the norm so, and
+    where the loss or the norm is not finite with every gradient finite, `apply_update`
+    first writes NaN into one gradient (the smallest; they are cleared right after), so
+    the check finds what the rule says. This gate's scale stays 1, by which the kernel
+    divides the gradients (exactly nothing); fp16's loss scaling stays with the Trainer's
+    scaler, which `train_step` unscaled with and which adjusts its scale here.
+    """
 
-def launch_update(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                  precision: str, found_inf: Tensor) -> None:
-    """Step the optimizer with the skip decided on the device, so the host need not wait
-    for the update's statistics first (the deferred path of nmt/train/loop.py).
+    def __init__(self, device: torch.device) -> None:
+        self._gate = torch.amp.GradScaler(device.type, init_scale=1.0)
+        self._gate.scale(torch.ones((), device=device))  # creates its scale on `device`
 
-    `optimizer` must be a fused Adam (`supports_device_skip`): its kernel does nothing
-    and rolls back its step counters where `found_inf` is 1, the contract GradScaler
-    uses. fp16 goes through the GradScaler, which passes its own overflow flag the same
-    way and updates the scale on the device. The schedule and weight average advance
-    later, from the host's reading of the statistics (`advance`)."""
-    if precision == "fp16":
-        _scaled_step(optimizer, scaler)
-    else:
-        optimizer.grad_scale = None  # type: ignore[attr-defined]  # already unscaled
-        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-        try:
-            optimizer.step()
-        finally:
-            del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
-    optimizer.zero_grad(set_to_none=True)
-
-
-def supports_device_skip(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `launch_update` can skip a step of `optimizer` on the device (fused Adam:
-    foreach and per-tensor Adam refuse a `found_inf`)."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
-        group.get("fused") for group in optimizer.param_groups)
+    def apply_update(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                     skip: Tensor) -> None:
+        """Step `optimizer` unless `skip` (`nonfinite`'s verdict, on the device), clear its
+        gradients, and adjust `scaler`'s fp16 loss scale."""
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"]
+                 if p.grad is not None]
+        if grads:
+            min(grads, key=Tensor.numel).masked_fill_(skip, float("nan"))
+        self._gate.step(optimizer)
+        self._gate.update(1.0)  # not halved after a skip: it divides the gradients
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
 
 
 def advance(schedule: Schedule | None, ema: WeightAverage | None, finite: bool,

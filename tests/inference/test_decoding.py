@@ -17,6 +17,7 @@ from helpers.plain_cache import PlainCache
 import nmt.inference.search
 from nmt.config import model_preset
 from nmt.errors import UsageError
+from nmt.inference import fused_attention
 from nmt.inference.decoding import (
     DecodingWorkspace,
     ModelStepDecoder,
@@ -27,7 +28,6 @@ from nmt.inference.decoding import (
 )
 from nmt.inference.kv_cache import INITIAL_CAPACITY, GroupedCache, Regroup
 from nmt.inference.search import FullStepDecoder, beam_search, max_output_lengths
-from nmt.model import fused_attention
 from nmt.model.transformer import Transformer
 from nmt.special_ids import BOS_ID, EOS_ID, PAD_ID
 

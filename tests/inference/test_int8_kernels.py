@@ -1,8 +1,8 @@
 """nmt's int8 C kernels (nmt/inference/amx_linear.py's AMX one, avx2_linear.py's AVX2
-one): the exact product of their quantized operands at every row count and width their
-blocking meets, strided and batched inputs, two threads, shortlist rows; and where
-`make_int8_linear` picks the AVX2 one. On an AVX-512 CPU the AVX2 kernel's VNNI build runs
-here (8-bit activations), under the AVX2 caps its AVX2 one (7-bit)."""
+one) as `KernelLinear`s: the exact product of their quantized operands at every row count
+and width their blocking meets, strided and batched inputs, two threads, shortlist rows;
+and where the backends' table picks the AVX2 one. On an AVX-512 CPU the AVX2 kernel's VNNI
+build runs here (8-bit activations), under the AVX2 caps its AVX2 one (7-bit)."""
 
 from __future__ import annotations
 
@@ -12,38 +12,42 @@ import torch.nn.functional as F
 from torch import nn
 
 from nmt import kernels
-from nmt.inference import amx_linear, avx2_linear, int8_linear
-from nmt.inference.amx_linear import AmxInt8Linear, KernelInt8Linear, quantize_rows
-from nmt.inference.avx2_linear import Avx2Int8Linear
-from nmt.inference.int8_linear import make_int8_linear, quantize_weight
+from nmt.inference import amx_linear, avx2_linear, backends, int8_linear
+from nmt.inference.int8_linear import quantize_weight
+from nmt.inference.kernel_linear import KernelLinear, KernelSpec, quantize_rows
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.isa]
 
 needs_avx2 = pytest.mark.skipif(
-    not avx2_linear.KERNEL.enabled(),
-    reason="the AVX2 int8 kernel does not run here: no AVX2, NMT_AVX2_INT8=0, or no C "
-           "compiler")
+    not avx2_linear.INT8.works(),
+    reason="the AVX2 int8 kernel does not run here: no AVX2, or no C compiler")
 
 KERNELS = [
-    pytest.param(AmxInt8Linear, id="amx", marks=pytest.mark.skipif(
-        not amx_linear.int8_available(),
+    pytest.param(amx_linear.INT8, id="amx", marks=pytest.mark.skipif(
+        not amx_linear.INT8.works(),
         reason="the AMX int8 kernel does not run here: no AMX-INT8, kernels capped below "
-               "it, NMT_AMX_LINEAR=0 or NMT_AMX_INT8=0, or no C compiler")),
-    pytest.param(Avx2Int8Linear, id="avx2", marks=needs_avx2),
+               "it, or no C compiler")),
+    pytest.param(avx2_linear.INT8, id="avx2", marks=needs_avx2),
 ]
 
 
-def levels(kind: type[KernelInt8Linear]) -> int:
+def make(spec: KernelSpec, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+         keep_quantized: bool = False) -> KernelLinear:
+    """`spec`'s layer of int8 weight `q` with its per-output `scale`."""
+    return KernelLinear(spec, q, bias, scale=scale, keep_quantized=keep_quantized)
+
+
+def levels(kind: KernelSpec) -> int:
     """The activations' largest quantized magnitude of `kind`'s kernel (AVX2: 63 without
     VNNI, 127 with it; AMX: 127)."""
-    if kind is AmxInt8Linear:
+    if kind is amx_linear.INT8:
         return 127
     lib = avx2_linear.KERNEL.library()
     assert lib is not None
     return kernels.call_linear(lib.nmt_avx2_linear, avx2_linear.OP_LEVELS)
 
 
-def exact(kind: type[KernelInt8Linear], x: torch.Tensor, q: torch.Tensor,
+def exact(kind: KernelSpec, x: torch.Tensor, q: torch.Tensor,
           scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """What `kind`'s kernel computes, in float64 from the same quantized operands: x's
     rows quantized as `quantize_rows` does, integer products summed exactly, rescaled."""
@@ -57,14 +61,14 @@ def exact(kind: type[KernelInt8Linear], x: torch.Tensor, q: torch.Tensor,
 @needs_avx2
 def test_the_avx2_build_quantizes_to_7_bits_without_vnni_and_8_with() -> None:
     vnni = kernels.allowed("avx2_vnni") is None
-    assert levels(Avx2Int8Linear) == (127 if vnni else 63)
+    assert levels(avx2_linear.INT8) == (127 if vnni else 63)
 
 
 @pytest.mark.parametrize("kind", KERNELS)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 15, 16, 17, 32, 33, 100, 600])
 @pytest.mark.parametrize(("k", "n"), [(64, 8), (256, 40), (256, 768), (1024, 1000)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_the_kernel_computes_the_quantized_product(kind: type[KernelInt8Linear], rows: int,
+def test_the_kernel_computes_the_quantized_product(kind: KernelSpec, rows: int,
                                                    k: int, n: int, bias: bool) -> None:
     """Exact integer sums, so float rounding alone separates a kernel from the float64
     product of the same quantized operands; and that product is within int8 error of the
@@ -76,7 +80,7 @@ def test_the_kernel_computes_the_quantized_product(kind: type[KernelInt8Linear],
     b = torch.randn(n, generator=gen) if bias else None
     x = torch.randn(rows, k, generator=gen)
     q, scale = quantize_weight(weight)
-    layer = kind(q, scale, b)
+    layer = make(kind, q, scale, b)
     with torch.inference_mode():
         got = layer(x)
     assert got.dtype == torch.float32 and got.shape == (rows, n)
@@ -94,8 +98,8 @@ def test_the_avx2_kernel_takes_widths_in_steps_of_32(k: int) -> None:
     q, scale = quantize_weight(torch.randn(20, k, generator=gen))
     x = torch.randn(9, k, generator=gen)
     with torch.inference_mode():
-        got = Avx2Int8Linear(q, scale, None)(x)
-    torch.testing.assert_close(got.double(), exact(Avx2Int8Linear, x, q, scale, None),
+        got = make(avx2_linear.INT8, q, scale, None)(x)
+    torch.testing.assert_close(got.double(), exact(avx2_linear.INT8, x, q, scale, None),
                                rtol=1e-5, atol=1e-4)
 
 
@@ -112,19 +116,19 @@ def test_extreme_rows_do_not_saturate() -> None:
     x[1] = -1.0
     x[2, ::2] = -1.0
     x[3] = torch.randn(64, generator=gen).sign()
-    layer = Avx2Int8Linear(q, scale, None)
+    layer = make(avx2_linear.INT8, q, scale, None)
     with torch.inference_mode():
-        torch.testing.assert_close(layer(x).double(), exact(Avx2Int8Linear, x, q, scale, None),
+        torch.testing.assert_close(layer(x).double(), exact(avx2_linear.INT8, x, q, scale, None),
                                    rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", KERNELS)
-def test_strided_batched_zero_rows_and_two_threads(kind: type[KernelInt8Linear]) -> None:
+def test_strided_batched_zero_rows_and_two_threads(kind: KernelSpec) -> None:
     gen = torch.Generator().manual_seed(2)
     weight = torch.randn(72, 128, generator=gen)
     bias = torch.randn(72, generator=gen)
     q, scale = quantize_weight(weight)
-    layer = kind(q, scale, bias)
+    layer = make(kind, q, scale, bias)
     wide = torch.randn(37, 200, generator=gen)
     strided = wide[:, 10:138]  # rows 200 elements apart
     batched = torch.randn(3, 11, 128, generator=gen)
@@ -151,16 +155,16 @@ def test_strided_batched_zero_rows_and_two_threads(kind: type[KernelInt8Linear])
 
 
 @pytest.mark.parametrize("kind", KERNELS)
-def test_rows_snapshot_and_what_it_refuses(kind: type[KernelInt8Linear]) -> None:
+def test_rows_snapshot_and_what_it_refuses(kind: KernelSpec) -> None:
     linear = nn.Linear(64, 48)
-    layer = kind(*quantize_weight(linear.weight), linear.bias, keep_quantized=True)
+    layer = make(kind, *quantize_weight(linear.weight), linear.bias, keep_quantized=True)
     assert list(layer.state_dict()) == []  # no parameters, like Int8Linear
     x = torch.randn(5, 64)
     with torch.inference_mode():
         before = layer(x)
         index = torch.tensor([3, 0, 47, 20])
         part = layer.rows(index)
-        assert type(part) is kind
+        assert type(part) is KernelLinear and part.spec is kind
         torch.testing.assert_close(part(x), before[:, index] - linear.bias[index].detach(),
                                    rtol=1e-5, atol=1e-5)  # rows keep no bias
     with torch.no_grad():
@@ -168,24 +172,33 @@ def test_rows_snapshot_and_what_it_refuses(kind: type[KernelInt8Linear]) -> None
     with torch.inference_mode():
         assert torch.equal(layer(x), before)
     with pytest.raises(ValueError, match="keep_quantized"):
-        kind(*quantize_weight(linear.weight), None).rows(index)
+        make(kind, *quantize_weight(linear.weight), None).rows(index)
     with pytest.raises(ValueError, match="in_features % "):
-        kind(torch.zeros(48, 40, dtype=torch.int8), torch.ones(48), None)
+        make(kind, torch.zeros(48, 40, dtype=torch.int8), torch.ones(48), None)
+    with pytest.raises(ValueError, match="int8 weights"):  # scales given with float weights
+        make(kind, linear.weight, torch.ones(48), None)
+    weight = torch.randn(48, 64)  # a float weight: quantized by the layer, as quantize_weight
+    with torch.inference_mode():
+        assert torch.equal(KernelLinear(kind, weight, None)(x),
+                           make(kind, *quantize_weight(weight), None)(x))
 
 
-def test_make_int8_linear_picks_avx2_on_cpus_without_avx512_and_amx(
+def test_the_table_picks_avx2_on_cpus_without_avx512_and_amx(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """AMX's kernel where it runs; else the AVX2 one on a CPU without AVX-512 (or capped
-    below it); else torch's. NMT_AVX2_INT8=0 and a width no multiple of 32 give torch's."""
-    if not (avx2_linear.KERNEL.enabled() and int8_linear.available()):
+    """The AVX2 kernel in the avx2 columns (Intel's and AMD's); torch's for a width no
+    multiple of 32, where the kernel is not loaded, and in the AVX-512 columns."""
+    if not (avx2_linear.INT8.works() and int8_linear.available()):
         pytest.skip("no AVX2 int8 kernel or no int8 kernel of torch's here")
     weight = torch.randn(48, 64)
-    monkeypatch.setattr(amx_linear, "int8_available", lambda: False)  # a CPU without AMX
-    monkeypatch.setattr(kernels, "allowed", lambda level: "no" if level == "avx512" else None)
-    assert isinstance(make_int8_linear(weight, None), Avx2Int8Linear)
-    assert isinstance(make_int8_linear(torch.randn(48, 48), None), int8_linear.Int8Linear)
-    monkeypatch.setenv("NMT_AVX2_INT8", "0")
-    assert isinstance(make_int8_linear(weight, None), int8_linear.Int8Linear)
-    monkeypatch.delenv("NMT_AVX2_INT8")
-    monkeypatch.setattr(kernels, "allowed", lambda level: None)  # AVX-512, uncapped
-    assert isinstance(make_int8_linear(weight, None), int8_linear.Int8Linear)  # torch's
+    for column in ("intel-avx2", "amd-avx2"):
+        monkeypatch.setattr(backends, "column", lambda column=column: column)
+        got = backends.layer(weight, None, "int8")
+        assert isinstance(got, KernelLinear) and got.spec is avx2_linear.INT8
+        assert isinstance(backends.layer(torch.randn(48, 48), None, "int8"),
+                          int8_linear.Int8Linear)
+    with monkeypatch.context() as patch:
+        patch.setattr(avx2_linear.KERNEL, "library", lambda: None)
+        assert isinstance(backends.layer(weight, None, "int8"), int8_linear.Int8Linear)
+    for column in ("intel-avx512", "amd-avx512", "other"):
+        monkeypatch.setattr(backends, "column", lambda column=column: column)
+        assert isinstance(backends.layer(weight, None, "int8"), int8_linear.Int8Linear)

@@ -13,17 +13,9 @@ from torch import nn
 
 from nmt.config import DecodeConfig, TrainConfig, model_preset
 from nmt.errors import UsageError
-from nmt.inference import int8_linear
-from nmt.inference.int8_linear import (
-    ROW_SELECTABLE,
-    Int8Linear,
-    available,
-    output_projection,
-    quantize_for_inference,
-    quantize_weight,
-)
-from nmt.inference.mkl_linear import MklLinear
-from nmt.inference.packed_linear import PackedLinear
+from nmt.inference import backends, int8_linear
+from nmt.inference.int8_linear import Int8Linear, available, quantize_weight
+from nmt.inference.kernel_linear import KernelLinear
 from nmt.inference.translate import Engine, translate_stream
 from nmt.model.transformer import Transformer
 
@@ -31,6 +23,15 @@ pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.isa]
 
 needs_int8 = pytest.mark.skipif(not available(),
                                 reason="this torch/CPU has no working int8 linear kernel")
+
+
+def is_int8(layer: object) -> bool:
+    return isinstance(layer, Int8Linear) or (isinstance(layer, KernelLinear) and layer.spec.int8)
+
+
+def row_selectable(layer: object) -> bool:
+    """An int8 layer that can give a layer of some of its rows (a shortlist's)."""
+    return is_int8(layer) and getattr(layer, "quantized", None) is not None
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -86,13 +87,12 @@ def test_rows_of_a_layer_are_the_layer_of_those_rows() -> None:
 
 @needs_int8
 @pytest.mark.parametrize("kernel", int8_linear.KERNELS)
-def test_each_kernel_alone(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_kernel_alone(kernel: str) -> None:
     if not int8_linear.kernel_works(kernel):
         pytest.skip(f"{kernel} int8 kernel unavailable here")
-    monkeypatch.setenv("NMT_INT8_KERNEL", kernel)
     torch.manual_seed(1)
     linear = nn.Linear(32, 48)
-    layer = Int8Linear(linear.weight, linear.bias)
+    layer = Int8Linear(linear.weight, linear.bias, use=(kernel,))
     assert list(layer.packed) == [kernel]
     for rows in (2, 4000):  # both sides of the size threshold run the forced kernel
         x = torch.randn(rows, 32)
@@ -106,9 +106,10 @@ def test_quantized_model_is_close_and_keeps_its_embedding() -> None:
     model = Transformer(model_preset("tiny", vocab_size=80)).eval()
     model.load_state_dict(plain.state_dict())
     n_linear = sum(type(m) is nn.Linear for m in model.modules())
-    assert quantize_for_inference(model) == n_linear
+    projection = backends.prepare(model, "int8")
+    assert sum(is_int8(m) for m in model.modules()) == n_linear
     assert not any(type(m) is nn.Linear for m in model.modules())
-    assert isinstance(output_projection(model.output_weight), ROW_SELECTABLE)
+    assert row_selectable(projection)
     assert set(model.state_dict()) <= set(plain.state_dict())
     src = torch.randint(4, 80, (3, 9))
     with torch.inference_mode():
@@ -118,28 +119,25 @@ def test_quantized_model_is_close_and_keeps_its_embedding() -> None:
 
 
 def test_nothing_quantized_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 model stays bf16 (its own layers), and where no int8 kernel of torch's
+    works the model is not quantized: its layers and projection are fp32's."""
     bf16 = Transformer(model_preset("tiny", vocab_size=40)).to(torch.bfloat16)
-    assert quantize_for_inference(bf16) == 0
+    assert not is_int8(backends.prepare(bf16, "int8"))
+    assert not any(is_int8(m) for m in bf16.modules())
     int8_linear.kernel_works.cache_clear()
     monkeypatch.setattr(int8_linear, "_apply", lambda *_: (_ for _ in ()).throw(
         RuntimeError("no int8 kernel here")))
     try:
         assert not available()
         model = Transformer(model_preset("tiny", vocab_size=40))
-        assert quantize_for_inference(model) == 0
-        assert any(type(m) is nn.Linear for m in model.modules())
+        fp32 = Transformer(model_preset("tiny", vocab_size=40))
+        projection = backends.prepare(model, "int8")
+        assert not is_int8(projection) and not any(is_int8(m) for m in model.modules())
+        assert type(projection) is type(backends.prepare(fp32, "fp32"))
+        assert [type(m) for m in model.modules()] == [type(m) for m in fp32.modules()]
     finally:
         monkeypatch.undo()
         int8_linear.kernel_works.cache_clear()
-
-
-@needs_int8
-def test_output_projection_can_stay_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("NMT_INT8_OUTPUT", "0")
-    model = Transformer(model_preset("tiny", vocab_size=40)).eval()
-    projection = output_projection(model.output_weight)
-    assert isinstance(projection, PackedLinear | MklLinear | type(None))
-    assert not isinstance(projection, ROW_SELECTABLE)
 
 
 def test_int8_on_cuda_is_a_usage_error() -> None:
@@ -184,7 +182,7 @@ def test_int8_translates_a_trained_model_like_fp32(trained: tuple) -> None:
     fp32 = stream(checkpoint, "fp32", lines)
     int8 = stream(checkpoint, "int8", lines)
     loaded = Engine.load([checkpoint], DecodeConfig(), device="cpu", precision="int8")
-    assert isinstance(loaded.workspaces[0].projection, ROW_SELECTABLE)  # the vocabulary too
+    assert row_selectable(loaded.workspaces[0].projection)  # the vocabulary too
     assert len(int8) == len(lines) == len(fp32)
     assert [i for i, out in enumerate(int8) if not out] == \
         [i for i, line in enumerate(lines) if not line]

@@ -1,5 +1,5 @@
-"""fp32 linears on MKL's packed sgemm: nn.Linear's numbers at every row count, the choice
-`make_linear` makes per CPU and switch, and the fallbacks."""
+"""fp32 linears on MKL's packed sgemm: nn.Linear's numbers at every row count, where the
+backends' table picks them (nmt/inference/backends.py), and the fallbacks."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from helpers.models import make_model, random_batch
 from torch import nn
 
-from nmt.inference import mkl_linear, packed_linear
+from nmt.inference import backends, mkl_linear, packed_linear
 from nmt.inference.decoding import DecodingWorkspace
 from nmt.inference.mkl_linear import MklLinear
-from nmt.inference.packed_linear import PackedLinear, make_linear, pack_for_inference
+from nmt.inference.packed_linear import PackedLinear
 from nmt.inference.search import beam_search, max_output_lengths
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.isa]
@@ -97,17 +97,19 @@ def test_packed_with_two_threads_computes_with_one() -> None:
 
 
 @needs_mkl
-def test_make_linear_chooses_by_cpu_and_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fp32_layers_are_mkls_on_intel_cpus_only(monkeypatch: pytest.MonkeyPatch) -> None:
     weight = torch.randn(24, 32)
     monkeypatch.setattr(mkl_linear, "is_intel", lambda: True)
-    assert isinstance(make_linear(weight, None), MklLinear)
-    if packed_linear.available(torch.bfloat16):  # oneDNN's bf16 (absent under AVX2 caps)
-        assert not isinstance(make_linear(weight.bfloat16(), None), MklLinear)
-    monkeypatch.setenv("NMT_MKL_LINEAR", "0")
-    assert type(make_linear(weight, None)) is PackedLinear
-    monkeypatch.delenv("NMT_MKL_LINEAR")
-    monkeypatch.setattr(mkl_linear, "is_intel", lambda: False)  # AMD: MKL runs AVX2 there
-    assert type(make_linear(weight, None)) is PackedLinear
+    assert backends.column() in ("amx", "intel-avx512", "intel-avx2", "other")
+    assert isinstance(backends.layer(weight, None, "fp32"), MklLinear)
+    if packed_linear.works(torch.bfloat16):  # oneDNN's bf16 (absent under AVX2 caps)
+        assert type(backends.layer(weight.bfloat16(), None, "bf16")) is PackedLinear
+    if packed_linear.works(torch.float32):
+        with monkeypatch.context() as patch:  # MKL's functions not working here
+            patch.setattr(mkl_linear, "works", lambda: False)
+            assert type(backends.layer(weight, None, "fp32")) is PackedLinear
+        monkeypatch.setattr(mkl_linear, "is_intel", lambda: False)  # AMD: MKL runs AVX2
+        assert type(backends.layer(weight, None, "fp32")) is PackedLinear
 
 
 def test_is_intel_reads_the_vendor(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -127,8 +129,8 @@ def test_missing_functions_fall_back_to_onednn(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(mkl_linear, "mkl", lambda: None)
     try:
         assert not mkl_linear.available()
-        if packed_linear.available(torch.float32):
-            assert type(make_linear(torch.randn(8, 16), None)) is PackedLinear
+        if packed_linear.works(torch.float32):
+            assert type(backends.layer(torch.randn(8, 16), None, "fp32")) is PackedLinear
         with pytest.raises(RuntimeError, match="not available"):
             MklLinear(torch.randn(8, 16), None)
     finally:
@@ -156,24 +158,24 @@ def test_equals_torchs_own_mkl_op_bit_for_bit() -> None:
 @needs_mkl
 def test_model_on_mkl_translates_like_onednn_and_plain(monkeypatch: pytest.MonkeyPatch) -> None:
     """A tiny model's beam search: the same hypotheses on MKL, on oneDNN and unpacked."""
-    if not packed_linear.available(torch.float32):
+    if not packed_linear.works(torch.float32):
         pytest.skip("oneDNN linear ops unavailable here")
-    monkeypatch.setattr(mkl_linear, "is_intel", lambda: True)
-    models = {}
-    for name, env in (("plain", None), ("mkl", "1"), ("onednn", "0")):
+    models, projections = {}, {}
+    for name, intel in (("plain", None), ("mkl", True), ("onednn", False)):
         model = make_model()
-        if env is not None:
-            monkeypatch.setenv("NMT_MKL_LINEAR", env)
-            assert pack_for_inference(model) > 0
+        if intel is not None:
+            monkeypatch.setattr(mkl_linear, "is_intel", lambda intel=intel: intel)
+            projections[name] = backends.prepare(model, "fp32")
         models[name] = model
     assert any(isinstance(m, MklLinear) for m in models["mkl"].modules())
     assert not any(isinstance(m, MklLinear) for m in models["onednn"].modules())
-    monkeypatch.setenv("NMT_MKL_LINEAR", "1")
-    assert isinstance(DecodingWorkspace(models["mkl"]).projection, MklLinear)
+    assert isinstance(projections["mkl"], MklLinear)
+    assert isinstance(projections["onednn"], PackedLinear)
     src = random_batch([8, 3, 6, 2], seed=1)
     results = {}
     for name, model in models.items():
-        with torch.inference_mode(), DecodingWorkspace(model).decoder(src) as decoder:
+        workspace = DecodingWorkspace(model, projections.get(name))
+        with torch.inference_mode(), workspace.decoder(src) as decoder:
             results[name] = beam_search(decoder, max_output_lengths(src, 1.0, 5), beam=4,
                                         alpha=0.6, nbest=2, min_len=1)
     tokens = {name: [[h.tokens for h in row] for row in hyps] for name, hyps in results.items()}

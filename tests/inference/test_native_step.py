@@ -14,14 +14,13 @@ import torch
 from conftest import torch_threads
 from helpers.models import make_model, random_batch
 
-from nmt.inference import amx_linear, avx2_linear, mkl_linear, native_step
-from nmt.inference.amx_linear import AmxInt8Linear, AmxLinear
-from nmt.inference.avx2_linear import Avx2Int8Linear
+from nmt.inference import amx_linear, avx2_linear, backends, mkl_linear, native_step
+from nmt.inference.backends import swap_linears
 from nmt.inference.decoding import DecodingWorkspace, decode_step
-from nmt.inference.int8_linear import make_int8_linear, quantize_weight
+from nmt.inference.kernel_linear import KernelLinear
 from nmt.inference.mkl_linear import MklLinear
 from nmt.inference.native_step import NativeStep, plan_for, takes
-from nmt.inference.packed_linear import PackedLinear, swap_linears
+from nmt.inference.packed_linear import PackedLinear
 from nmt.inference.search import beam_search, greedy_decode, max_output_lengths
 from nmt.model.transformer import Transformer
 
@@ -32,17 +31,17 @@ needs_native = pytest.mark.skipif(
     reason="no MKL packed sgemm in this torch, or no C compiler: the native step cannot run")
 
 needs_int8 = pytest.mark.skipif(
-    not ((amx_linear.int8_available() or avx2_linear.available())
+    not (isinstance(backends.layer(torch.zeros(8, 64), None, "int8"), KernelLinear)
          and native_step.KERNEL.enabled()),
     reason="int8 layers are torch's here (an AVX-512 CPU without AMX-INT8, or no C "
            "compiler), which the native step does not take")
 
 needs_avx2_int8 = pytest.mark.skipif(
-    not (avx2_linear.KERNEL.enabled() and native_step.KERNEL.enabled()),
+    not (avx2_linear.INT8.works() and native_step.KERNEL.enabled()),
     reason="no AVX2 int8 kernel here (no AVX2, or no C compiler)")
 
 needs_amx_bf16 = pytest.mark.skipif(
-    not (amx_linear.available() and native_step.KERNEL.enabled()),
+    not (amx_linear.has_amx() and amx_linear.BF16.works() and native_step.KERNEL.enabled()),
     reason="no AMX-BF16 kernel here (no AMX, kernels capped below it, or no C compiler): "
            "bf16 layers are oneDNN's, which the native step does not take")
 
@@ -65,8 +64,9 @@ def int8_model(seed: int = 0, **overrides: object) -> Transformer:
     """The same with every linear on the int8 kernel the translator picks here (AMX's on a
     CPU with AMX-INT8, else the AVX2 one)."""
     model = make_model(seed, **overrides)
-    swap_linears(model, make_int8_linear)
-    assert isinstance(model.decoder[0].ffn.fc2, AmxInt8Linear | Avx2Int8Linear)
+    swap_linears(model, lambda weight, bias: backends.layer(weight, bias, "int8"))
+    fc2 = model.decoder[0].ffn.fc2
+    assert isinstance(fc2, KernelLinear) and fc2.spec.int8
     return model
 
 
@@ -74,7 +74,7 @@ def avx2_int8_model(seed: int = 0, **overrides: object) -> Transformer:
     """The same with every linear on the AVX2 int8 kernel, whatever this CPU would pick
     (on an AVX-512 CPU its VNNI build)."""
     model = make_model(seed, **overrides)
-    swap_linears(model, lambda w, b: Avx2Int8Linear(*quantize_weight(w), b))
+    swap_linears(model, lambda weight, bias: KernelLinear(avx2_linear.INT8, weight, bias))
     return model
 
 
@@ -82,7 +82,7 @@ def bf16_model(seed: int = 0, **overrides: object) -> Transformer:
     """The same in bf16 with every linear on the AMX bf16 kernel (the translator's bf16
     layers on a CPU with AMX-BF16)."""
     model = make_model(seed, **overrides).to(torch.bfloat16)
-    swap_linears(model, AmxLinear)
+    swap_linears(model, lambda weight, bias: KernelLinear(amx_linear.BF16, weight, bias))
     return model
 
 
@@ -206,8 +206,8 @@ def test_the_agreement_check_passes_and_the_plan_is_made() -> None:
 @needs_native
 def test_what_it_leaves_to_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
     """No plan for a pre-norm model, one whose linears are not MKL's, a model in training
-    mode, or with NMT_NATIVE_STEP=0; a step that wants the attention weights runs the
-    PyTorch layers (and stores them) even with a plan."""
+    mode, or without the C step's library; a step that wants the attention weights runs
+    the PyTorch layers (and stores them) even with a plan."""
     assert plan_for(mkl_model(pre_norm=True)) is None
     assert plan_for(make_model()) is None  # plain nn.Linear
     if torch.backends.mkldnn.is_available():
@@ -215,10 +215,10 @@ def test_what_it_leaves_to_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
         swap_linears(onednn, PackedLinear)
         assert plan_for(onednn) is None
     assert plan_for(mkl_model().train()) is None
-    monkeypatch.setenv("NMT_NATIVE_STEP", "0")
-    assert plan_for(mkl_model()) is None
-    assert DecodingWorkspace(mkl_model()).native is None
-    monkeypatch.delenv("NMT_NATIVE_STEP")
+    with monkeypatch.context() as patch:
+        patch.setattr(native_step.KERNEL, "library", lambda: None)
+        assert plan_for(mkl_model()) is None
+        assert DecodingWorkspace(mkl_model()).native is None
 
     model = mkl_model()
     plan = plan_for(model)
@@ -241,8 +241,8 @@ def test_what_it_leaves_to_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_trained_model_translates_byte_identically(multi30k_model: Path, precision: str,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """`Translator` on a model trained on Multi30k, test2016's first 60 lines: the same
-    output with the native step as with NMT_NATIVE_STEP=0, whole batches and one line at
-    a time."""
+    output with the native step as without its library, whole batches and one line at a
+    time."""
     from conftest import shared_data_path
 
     from nmt.api import Translator
@@ -252,16 +252,18 @@ def test_a_trained_model_translates_byte_identically(multi30k_model: Path, preci
         encoding="utf-8").splitlines()[:60]
     outputs = {}
     for flag in ("1", "0"):
-        monkeypatch.setenv("NMT_NATIVE_STEP", flag)
-        translator = Translator.load(multi30k_model, precision=precision, threads=1,
-                                     quiet=True)
-        try:
-            workspace = translator._engine.workspaces[0]
-            assert (workspace.native is not None) == (flag == "1")
-            outputs[flag] = (translator.translate(lines),
-                             [translator.translate([line])[0] for line in lines[:15]])
-        finally:
-            translator.close()
+        with monkeypatch.context() as patch:
+            if flag == "0":
+                patch.setattr(native_step.KERNEL, "library", lambda: None)
+            translator = Translator.load(multi30k_model, precision=precision, threads=1,
+                                         quiet=True)
+            try:
+                workspace = translator._engine.workspaces[0]
+                assert (workspace.native is not None) == (flag == "1")
+                outputs[flag] = (translator.translate(lines),
+                                 [translator.translate([line])[0] for line in lines[:15]])
+            finally:
+                translator.close()
     assert outputs["1"] == outputs["0"]
     assert sum(bool(line) for line in outputs["1"][0]) == 60
 

@@ -7,16 +7,17 @@ import torch
 from torch import nn
 
 from nmt.config import model_preset
-from nmt.inference import packed_linear
+from nmt.inference import backends, packed_linear
 from nmt.inference.decoding import DecodingWorkspace
-from nmt.inference.packed_linear import PackedLinear, available, is_packed, pack_for_inference
+from nmt.inference.mkl_linear import MklLinear
+from nmt.inference.packed_linear import PackedLinear, works
 from nmt.inference.search import beam_search, max_output_lengths
 from nmt.model.transformer import Transformer
 from nmt.special_ids import EOS_ID, PAD_ID
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.isa]
 
-needs_onednn = pytest.mark.skipif(not available(torch.float32),
+needs_onednn = pytest.mark.skipif(not works(torch.float32),
                                   reason="this torch/CPU has no working oneDNN linear ops")
 
 
@@ -57,7 +58,7 @@ def test_packed_linear_equals_nn_linear(shape: tuple[int, ...], bias: bool) -> N
 
 @needs_onednn
 def test_packed_bf16_linear_equals_nn_linear() -> None:
-    if not available(torch.bfloat16):
+    if not works(torch.bfloat16):
         pytest.skip("oneDNN bf16 linear unavailable here")
     torch.manual_seed(0)
     linear = nn.Linear(64, 40).to(torch.bfloat16)
@@ -71,12 +72,12 @@ def test_packed_model_translates_like_the_plain_one() -> None:
     plain = tiny_model()
     packed = tiny_model()
     n_linear = sum(type(m) is nn.Linear for m in packed.modules())
-    assert pack_for_inference(packed) == n_linear
+    projection = backends.prepare(packed, "fp32")
+    assert sum(isinstance(m, PackedLinear | MklLinear) for m in packed.modules()) == n_linear
     assert not any(type(m) is nn.Linear for m in packed.modules())
-    assert is_packed(packed) and not is_packed(plain)
-    plain_space, packed_space = DecodingWorkspace(plain), DecodingWorkspace(packed)
+    assert isinstance(projection, PackedLinear | MklLinear)  # the shared output matrix too
+    plain_space, packed_space = DecodingWorkspace(plain), DecodingWorkspace(packed, projection)
     assert plain_space.projection is None
-    assert packed_space.projection is not None  # the shared output matrix, packed too
     # No linear weight is a parameter any more; the shared embedding still is.
     assert set(packed.state_dict()) <= set(plain.state_dict())
     assert "embed.weight" in packed.state_dict()
@@ -100,28 +101,32 @@ def test_packed_model_translates_like_the_plain_one() -> None:
 
 def test_nothing_packed_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
     half = tiny_model().to(torch.float16)
-    assert pack_for_inference(half) == 0
+    assert backends.prepare(half, "fp16") is None
     assert any(type(m) is nn.Linear for m in half.modules())
-    assert DecodingWorkspace(half).projection is None
-    monkeypatch.setenv("NMT_PACKED_LINEAR", "0")  # read when used: no cache to clear
     model = tiny_model()
-    assert pack_for_inference(model) == 0
-    assert DecodingWorkspace(model).projection is None
-    monkeypatch.delenv("NMT_PACKED_LINEAR")
-    assert pack_for_inference(model) > 0
+    with monkeypatch.context() as patch:  # a column whose fp32 cell is PyTorch's alone
+        patch.setitem(backends.TABLE, ("linear", "fp32"), (("torch",),) * 6)
+        assert backends.prepare(model, "fp32") is None
+        assert all(type(m) is not PackedLinear for m in model.modules())
+    if works(torch.float32):
+        assert backends.prepare(model, "fp32") is not None
 
 
 def test_unavailable_ops_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the private oneDNN ops fail (older or other torch builds), nothing is packed."""
+    """Where the private oneDNN ops fail (older or other torch builds), nothing is packed
+    (on an AMD CPU: MKL's layers are for Intel's)."""
 
     def broken(*_args: object) -> torch.Tensor:
         raise RuntimeError("no oneDNN here")
 
     packed_linear.works.cache_clear()
     monkeypatch.setattr(packed_linear, "_pack", broken)
+    monkeypatch.setattr(backends, "column", lambda: "amd-avx512")
     try:
-        assert not available(torch.float32)
-        assert pack_for_inference(tiny_model()) == 0
+        assert not works(torch.float32)
+        model = tiny_model()
+        assert backends.prepare(model, "fp32") is None
+        assert any(type(m) is nn.Linear for m in model.modules())
     finally:
         monkeypatch.undo()
         packed_linear.works.cache_clear()

@@ -22,7 +22,7 @@ from nmt.checkpoint import load_checkpoint
 from nmt.config import TrainConfig, model_preset
 from nmt.errors import Preempted
 from nmt.train.log import read_jsonl
-from nmt.train.loop import train
+from nmt.train.loop import Trainer
 
 pytestmark = pytest.mark.slow  # several multi-process training runs
 REPO = Path(__file__).resolve().parents[2]
@@ -40,13 +40,16 @@ def _cfg() -> TrainConfig:
                        seed=5, precision="fp32")
 
 
-def preempt_worker(rank: int, world: int, port: int, data: str, run: str, out: str) -> None:
-    """One rank; writes 'done STEP' or the Preempted message, exits 0 or 75."""
+def preempt_worker(rank: int, world: int, port: int, data: str, run: str, out: str,
+                   deferred: bool) -> None:
+    """One rank, reading its statistics deferred or at once; writes 'done STEP' or the
+    Preempted message, exits 0 or 75."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
-        summary = train(data, run, MODEL, _cfg(), "cpu", progress=False)
+        summary = Trainer(data, run, MODEL, _cfg(), "cpu", progress=False,
+                          deferred=deferred).run()
         text, code = f"done {summary.step}", 0
     except Preempted as err:
         text, code = f"preempted: {err}", err.exit_code
@@ -60,16 +63,15 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _start(data: Path, run: Path, out: Path, deferred: str = "0") -> list[subprocess.Popen]:
-    """Two ranks; `deferred` "1" runs the CUDA path's deferred statistics on the CPU."""
+def _start(data: Path, run: Path, out: Path, deferred: bool) -> list[subprocess.Popen]:
+    """Two ranks; `deferred` runs CUDA's deferred read-back on the CPU."""
     port = _free_port()
     return [subprocess.Popen(
         [sys.executable, "-c", "from test_preempt import preempt_worker; "
-         f"preempt_worker({rank}, 2, {port}, {str(data)!r}, {str(run)!r}, {str(out)!r})"],
-        cwd=Path(__file__).parent, env={**os.environ, "NMT_DEFER_STATS": deferred,
-                                        "PYTHONPATH": os.pathsep.join(
-                                            [str(Path(__file__).parent),
-                                             str(REPO / "tests"), str(REPO)])},
+         f"preempt_worker({rank}, 2, {port}, {str(data)!r}, {str(run)!r}, {str(out)!r}, "
+         f"{deferred})"],
+        cwd=Path(__file__).parent, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parent), str(REPO / "tests"), str(REPO)])},
         stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
 
 
@@ -102,9 +104,9 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("deferred", ["0", "1"], ids=["in-line", "deferred"])
+@pytest.mark.parametrize("deferred", [False, True], ids=["in-line", "deferred"])
 def test_sigterm_to_one_rank_saves_everywhere_and_resumes_exactly(tmp_path: Path,
-                                                                   deferred: str) -> None:
+                                                                   deferred: bool) -> None:
     """Both ways of reading an update's statistics: in-line (CPU) and deferred (CUDA's,
     where the flag is read one update late and the update launched after it dropped)."""
     data = make_copy_data(tmp_path / "data", n_train=200, n_valid=20)

@@ -15,7 +15,7 @@ from nmt.precision import grad_scaler
 from nmt.train.feed import Micro
 from nmt.train.loss import label_smoothed_nll
 from nmt.train.schedule import InverseSqrtSchedule, build_optimizer
-from nmt.train.step import LossOptions, StepStats, apply_update, train_step
+from nmt.train.step import LossOptions, StepStats, advance, apply_update, train_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CPU = torch.device("cpu")
@@ -37,8 +37,8 @@ def micro_of(src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> 
 
 
 def test_one_update_equals_the_written_out_update() -> None:
-    """train_step + apply_update make exactly the update written out by hand: forward,
-    smoothed loss / target tokens, backward, Adam step, schedule step."""
+    """train_step + apply_update + advance make exactly the update written out by hand:
+    forward, smoothed loss / target tokens, backward, Adam step, schedule step."""
     from nmt.config import TrainConfig
 
     torch.manual_seed(0)
@@ -58,7 +58,8 @@ def test_one_update_equals_the_written_out_update() -> None:
     assert isinstance(stats, StepStats)
     assert all(isinstance(t, torch.Tensor) and t.dim() == 0
                for t in (stats.loss_sum, stats.nll_sum, stats.grad_norm))
-    apply_update(optimizer, scaler, schedule, "fp32", finite=True)
+    apply_update(optimizer, scaler, finite=True)
+    advance(schedule, None, finite=True)
 
     ref_opt = build_optimizer(twin.parameters(), cfg, CPU)
     ref_schedule = InverseSqrtSchedule(ref_opt, 32, 10)
@@ -92,7 +93,8 @@ def test_a_non_finite_update_changes_no_weight_and_no_schedule() -> None:
     train_step(model, model, [lambda: micro_of(src, tgt_in, tgt_out)],  # lazy, as the feed
                tgt_tokens=int((tgt_out != 0).sum()), optimizer=optimizer, scaler=scaler,
                precision="fp32", loss=LossOptions(0.1, 0), clip_norm=1.0)
-    apply_update(optimizer, scaler, schedule, "fp32", finite=False)
+    apply_update(optimizer, scaler, finite=False)
+    advance(schedule, None, finite=False)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert schedule.step_count == 0 and all(p.grad is None for p in model.parameters())
 

@@ -8,8 +8,7 @@ the keys a mask hides (docs/performance.md has the measurements).
 
 How: built at install, loaded for this CPU and checked once per process against the
 PyTorch path on a small case (nmt/kernels); where no library applies, the PyTorch path runs
-(the same results to float rounding). NMT_FUSED_ATTENTION=0
-(nmt/switches.py) turns it off.
+(the same results to float rounding).
 """
 
 from __future__ import annotations
@@ -20,14 +19,14 @@ import ctypes
 import torch
 from torch import Tensor
 
-import nmt.kernels as kernels
+from nmt import kernels
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 PARAMS = 30  # the parameter block's length: P_COUNT of the C source's enum
 
 
 def enabled() -> bool:
-    """Whether the kernel is wanted (NMT_FUSED_ATTENTION) and built and checked here."""
+    """Whether the kernel is built and checked here."""
     return KERNEL.enabled()
 
 
@@ -129,5 +128,4 @@ def _agrees(lib: ctypes.CDLL) -> bool:
     return True
 
 
-KERNEL = kernels.Kernel("fused_attention", "nmt_attention", PARAMS, _agrees,
-                        "NMT_FUSED_ATTENTION")
+KERNEL = kernels.Kernel("fused_attention", "nmt_attention", PARAMS, _agrees)

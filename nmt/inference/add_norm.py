@@ -8,8 +8,8 @@ output, which nothing else holds, so it allocates nothing either.
 
 How: built at install, loaded for this CPU and checked once per process against PyTorch
 (nmt/kernels); where no library applies, `add_norm_` returns None and the caller runs
-PyTorch's ops. Only where no gradient is
-wanted and no autocast is on: training never takes it. NMT_FUSED_ADD_NORM=0 turns it off.
+PyTorch's ops. Only where no gradient is wanted and no autocast is on: training never
+takes it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import ctypes
 import torch
 from torch import Tensor, nn
 
-import nmt.kernels as kernels
+from nmt import kernels
 
 PARAMS = 14  # the parameter block's length: P_COUNT of the C source's enum
 MAX_D = 8192  # MAX_D of the C source
@@ -28,7 +28,7 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def enabled() -> bool:
-    """Whether the kernel is wanted (NMT_FUSED_ADD_NORM) and built and checked here."""
+    """Whether the kernel is built and checked here."""
     return KERNEL.enabled()
 
 
@@ -95,4 +95,4 @@ def _agrees(lib: ctypes.CDLL) -> bool:
     return True
 
 
-KERNEL = kernels.Kernel("add_norm", "nmt_add_norm", PARAMS, _agrees, "NMT_FUSED_ADD_NORM")
+KERNEL = kernels.Kernel("add_norm", "nmt_add_norm", PARAMS, _agrees)

@@ -9,7 +9,8 @@ import torch
 from helpers.native import without_kernels
 from torch import nn
 
-from nmt.model import add_norm
+from nmt.inference import add_norm
+from nmt.inference.layer_step import residual as fused_residual
 from nmt.model.layers import Residual
 
 pytestmark = pytest.mark.isa  # compiled for the vector ISA in use: CI runs these at AVX2 too
@@ -70,20 +71,20 @@ def test_residual_after_takes_it_at_inference_only() -> None:
         residual.norm.weight.mul_(1.5)
         want = residual.norm(x + s)
         fresh = s.clone()
-        got = residual.after(x, fresh)
+        got = fused_residual(residual, x, fresh)
     assert got.data_ptr() == fresh.data_ptr()  # the kernel wrote over the sub-layer output
     torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
 
     residual.train()
     xg = x.clone().requires_grad_(True)
-    out = residual.after(xg, s.clone())
+    out = fused_residual(residual, xg, s.clone())
     out.sum().backward()
     assert xg.grad is not None
 
     residual.eval()  # gradients wanted in eval mode: not the kernel either
     xg = x.clone().requires_grad_(True)
     assert add_norm.add_norm_(s.clone(), xg, residual.norm) is None
-    residual.after(xg, s.clone()).sum().backward()
+    fused_residual(residual, xg, s.clone()).sum().backward()
     assert xg.grad is not None
 
 
@@ -101,7 +102,7 @@ def test_operands_it_cannot_take_go_to_pytorch() -> None:
         plain = nn.LayerNorm(64, elementwise_affine=False)
         assert add_norm.add_norm_(s.clone(), x, plain) is None
         residual = Residual(64, dropout=0.0, pre_norm=False).eval().double()
-        got = residual.after(x.double(), s.double())
+        got = fused_residual(residual, x.double(), s.double())
         torch.testing.assert_close(got, residual.norm(x.double() + s.double()))
 
 
@@ -124,10 +125,15 @@ def test_threads_give_the_same_bits() -> None:
     assert torch.equal(one, two) and torch.equal(one[5:6], alone)
 
 
-def test_switched_off_pytorch_runs(monkeypatch) -> None:
-    """NMT_FUSED_ADD_NORM=0: the kernel is off and the residual is PyTorch's."""
+@pytest.mark.parametrize("off", ["not loaded", "NMT_KERNELS=0"])
+def test_switched_off_pytorch_runs(monkeypatch, off: str) -> None:
+    """Without the library (not loaded, or every kernel turned off): the kernel is off and
+    the residual is PyTorch's."""
     add_norm.KERNEL.forget()
-    monkeypatch.setenv("NMT_FUSED_ADD_NORM", "0")
+    if off == "not loaded":
+        monkeypatch.setattr(add_norm.KERNEL, "library", lambda: None)
+    else:
+        monkeypatch.setenv("NMT_KERNELS", "0")
     try:
         x, s, norm = operands(4, 32, torch.float32, torch.float32)
         with torch.no_grad():
@@ -141,11 +147,12 @@ def test_without_its_library_inference_goes_on_in_silence(tmp_path) -> None:
     """No library built: nothing on stderr, and the residual still computed (PyTorch's ops)."""
     code = (
         "import torch\n"
-        "from nmt.model import add_norm\n"
+        "from nmt.inference import add_norm\n"
+        "from nmt.inference.layer_step import residual\n"
         "from nmt.model.layers import Residual\n"
         "r = Residual(32, 0.0, False).eval()\n"
         "with torch.no_grad():\n"
-        "    print(add_norm.enabled(), r.after(torch.randn(3, 32), torch.randn(3, 32)).shape)\n"
-        "    print(r.after(torch.randn(2, 32), torch.randn(2, 32)).shape)\n")
+        "    print(add_norm.enabled(), residual(r, torch.randn(3, 32), torch.randn(3, 32)).shape)\n"
+        "    print(residual(r, torch.randn(2, 32), torch.randn(2, 32)).shape)\n")
     out = without_kernels(code, tmp_path)
     assert out == ["False torch.Size([3, 32])", "torch.Size([2, 32])"]

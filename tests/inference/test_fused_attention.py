@@ -8,8 +8,8 @@ import pytest
 import torch
 from helpers.native import without_kernels
 
-from nmt.model import fused_attention
-from nmt.model.attention import additive_mask, attend_entries, attend_one
+from nmt.inference import fused_attention
+from nmt.inference.layer_step import additive_mask, attend_entries, attend_one
 
 pytestmark = pytest.mark.isa  # compiled for the vector ISA in use: CI runs these at AVX2 too
 
@@ -69,7 +69,7 @@ def test_kernel_agrees_with_pytorchs_path(dtype, monkeypatch) -> None:
     it): equal to float rounding."""
     q, k_t, v, mask = operands(7, 8, 4, 37, 64, dtype, "slots", seed=3)
     fused = attend_one(q, k_t, v, mask)
-    monkeypatch.setenv("NMT_FUSED_ATTENTION", "0")
+    monkeypatch.setattr(fused_attention.KERNEL, "library", lambda: None)  # not loaded
     assert not fused_attention.applies(q, k_t, v, mask)
     plain = attend_one(q, k_t, v, mask)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -129,8 +129,8 @@ def test_without_its_library_decoding_goes_on_in_silence(tmp_path) -> None:
     """No library built: nothing on stderr, and attention still computed (PyTorch's path)."""
     code = (
         "import torch\n"
-        "from nmt.model import fused_attention as f\n"
-        "from nmt.model.attention import attend_one\n"
+        "from nmt.inference import fused_attention as f\n"
+        "from nmt.inference.layer_step import attend_one\n"
         "q, k, v = torch.randn(2, 2, 4, 64), torch.randn(2, 2, 9, 64), torch.randn(2, 2, 9, 64)\n"
         "print(f.enabled(), f.enabled())\n"
         "print(attend_one(q, k.contiguous().transpose(-1, -2), v, None).shape)\n")
@@ -166,10 +166,10 @@ def test_an_entry_list_reads_those_entries_in_place(dtype, masked, monkeypatch) 
     rows = q[entries].transpose(1, 2).reshape(12, 1, 4 * 64)  # the fed rows (e * g, 1, ...)
     want = whole[entries].transpose(1, 2).reshape(12, 1, 4 * 64)
     assert torch.equal(attend_entries(rows, poisoned_k, poisoned_v, mask, entries, 4), want)
-    monkeypatch.setenv("NMT_FUSED_ATTENTION", "0")  # PyTorch's path: gathered first
-    gathered = attend_entries(rows, poisoned_k, poisoned_v, mask, entries, 4)
+    with monkeypatch.context() as patch:  # PyTorch's path (no kernel): gathered first
+        patch.setattr(fused_attention.KERNEL, "library", lambda: None)
+        gathered = attend_entries(rows, poisoned_k, poisoned_v, mask, entries, 4)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(gathered.float(), want.float(), atol=tol, rtol=tol)
-    monkeypatch.delenv("NMT_FUSED_ATTENTION")
     with pytest.raises(ValueError, match="entries"):
         fused_attention.attend(q[entries], k_t, v, mask, entries.int())
