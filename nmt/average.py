@@ -75,8 +75,8 @@ def _check_like(state: Mapping[str, torch.Tensor], first: Mapping[str, torch.Ten
 # tensors included), at most MAX_PASSES: peak memory is the output (one model) plus, per
 # pass, its float64 sums and one file's pages of it, 3 x PASS_BYTES, or (1 + 3 / MAX_PASSES)
 # models' weights for a model above MAX_PASSES x PASS_BYTES. Each pass unpickles every
-# file's header again (0.09 s for a `small` training checkpoint on a 2.45 GHz Zen 3), so a
-# small model takes one or two passes; the weights are read once in all.
+# file's header again (a fraction of a second), so a small model takes one or two passes;
+# the weights are read once in all.
 PASS_BYTES = 16 * 2**20
 MAX_PASSES = 16
 Piece = tuple[str, int, int]  # key, first row, end row
@@ -196,12 +196,8 @@ def average_checkpoints(paths: Sequence[Path], output: Path,
     meta as `train_config`, for the exporters' model cards); drops optimizer and other
     training state, so the result is a model file for `translate`, not a resume point.
     `weights`: raw, ema (runs trained with --ema-decay) or auto (ema when every input has
-    it, else raw); the output holds the averaged weights as its plain model.
-
-    Files are read memory-mapped and only their weights are touched (never the optimizer
-    state: Adam's moments are twice the weights), one file at a time, in passes of
-    PASS_BYTES (at most MAX_PASSES): peak memory stays near one model's weights, however
-    many files are averaged.
+    it, else raw); the output holds the averaged weights as its plain model. Peak memory
+    stays near one model's weights however many files are averaged (see PASS_BYTES).
     """
     if not paths:
         raise UsageError("nothing to average: no checkpoints given")

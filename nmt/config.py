@@ -15,7 +15,7 @@ from nmt.errors import UsageError
 
 Precision = Literal["fp32", "bf16", "fp16", "auto"]
 # auto: bf16 on GPUs that compute it natively, fp16 on older ones; on a CPU bf16 where it is
-# native and measured faster than fp32, else fp32 (nmt.precision.resolve_precision).
+# native and faster than fp32, else fp32 (nmt.precision.resolve_precision).
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "auto")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")  # auto: CUDA when a GPU is visible
 # Validation metrics `--best-metric` may track, with the direction that is better.
@@ -108,7 +108,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     # For unit tests: trains in seconds on a CPU.
     "tiny": dict(encoder_layers=2, decoder_layers=2, d_model=64, d_ff=128, heads=4,
                  dropout=0.0),
-    # The CPU / Multi30k size (issue: 3+3 layers, d_model 256, d_ff 1024, 4 heads).
+    # The CPU / Multi30k size.
     "small": dict(encoder_layers=3, decoder_layers=3, d_model=256, d_ff=1024, heads=4,
                   dropout=0.1),
     # The paper's Table 3 rows "base" and "big" (big uses P_drop 0.3 for En-De).
@@ -175,10 +175,8 @@ class TrainConfig:
         "(paper: 25000); derives update-freq and the micro-batch size (at most max-tokens) "
         "for the number of processes from how full the data's batches are measured to be.",
         shown_default="off")
-    # auto: fused on CUDA (it never holds the (rows, vocab) logits: on an H200 at the WMT
-    # recipe's 1-GPU shape as fast as the reference with 58 % of its peak memory,
-    # docs/performance.md), reference on a CPU (there the recomputed logits cost 1.3x at
-    # base shapes; see nmt/train/loss.py).
+    # auto: fused on CUDA (it never holds the (rows, vocab) logits, at no loss of speed:
+    # docs/performance.md), reference on a CPU (where recomputing the logits costs time).
     fused_loss: str = _setting(  # see FUSED_LOSS
         "auto", "auto | on | off: project to the vocabulary chunk by chunk inside the loss "
         "(never the whole logits); auto = on for CUDA, off for a CPU.")

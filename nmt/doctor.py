@@ -9,6 +9,7 @@ Benches record it beside every figure; bug reports ask for `nmt doctor --json`.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import os
 import platform
@@ -76,19 +77,10 @@ def _cpu() -> dict[str, Any]:
 
 
 def _kernels() -> dict[str, dict[str, Any]]:
-    from nmt.inference import (
-        add_norm,
-        amx_linear,
-        avx2_linear,
-        fused_attention,
-        native_step,
-        step_topk,
-    )
-
     found = {}
-    for module in (fused_attention, add_norm, step_topk, native_step, avx2_linear,
-                   amx_linear):
-        kernel = module.KERNEL
+    for module in ("fused_attention", "add_norm", "step_topk", "native_step", "avx2_linear",
+                   "amx_linear"):  # the modules of nmt/inference that hold a KERNEL
+        kernel = importlib.import_module(f"nmt.inference.{module}").KERNEL
         status = kernel.status()
         found[kernel.name] = {"level": status.level, "note": status.note,
                               "built": [level for level in KERNELS[kernel.name]
@@ -166,79 +158,43 @@ def _driver() -> str | None:
 
 
 def _extras() -> dict[str, dict[str, str | None]]:
-    found = {}
-    for extra, names in EXTRAS.items():
-        versions = {}
-        for name in names:
-            try:
-                versions[name] = importlib.metadata.version(name)
-            except importlib.metadata.PackageNotFoundError:
-                versions[name] = None
-        found[extra] = versions
-    return found
+    """Per extra, the version of each distribution it installs (None: not installed)."""
+    return {extra: {name: _version(name) for name in names} for extra, names in EXTRAS.items()}
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def text(facts: dict[str, Any]) -> str:
-    """The report as lines for a person to read."""
-    cpu, torch_, prec = facts["cpu"], facts["torch"], facts["precision"]
-    caps = ", ".join(f"{k}={v}" for k, v in cpu["caps"].items()) or "none"
-    lines = [f"nmt {facts['nmt']['version']} ({facts['nmt']['path']}), Python "
-             f"{facts['python']}, {facts['platform']}",
-             f"torch {torch_['version']} (CUDA {torch_['cuda'] or 'none'}; MKL "
-             f"{_yes(torch_['mkl'])}, oneDNN {_yes(torch_['onednn'])}; ATen kernels "
-             f"{torch_['capability']})",
-             f"CPU: {cpu['model']} ({cpu['vendor'] or cpu['machine']}), {cpu['cores']} cores "
-             "for this process",
-             f"  vector flags: {' '.join(cpu['flags']) or 'none found'}",
-             f"  class: {cpu['class']} (caps below the CPU: {caps})",
-             "C kernels (built at install, one library per ISA level):"]
-    width = max(map(len, facts["kernels"]))
-    for name, kernel in facts["kernels"].items():
-        lines.append(f"  {name:<{width}}  {kernel['level'] or '-':<11}  {kernel['note']}")
-    lines.append(f"backends (column {facts['backends']['column']} of "
-                 "nmt/inference/backends.py's table):")
-    width = max(map(len, facts["backends"]["runs"]))
-    for row, backend in facts["backends"]["runs"].items():
-        lines.append(f"  {row:<{width}}  {backend}")
-    line = f"precision auto on this CPU: {prec['cpu_auto']} ({prec['why']})"
-    if "measured" in prec:
-        m = prec["measured"]
-        line += (f"; measured now: bf16 matmul {m['speedup']:.2f}x fp32's speed "
-                 f"({m['fp32_ms']:.2f} vs {m['bf16_ms']:.2f} ms, 512x512x512, 1 thread)")
-        if not prec["agrees"]:
-            line += ("; the measurement disagrees with the rule here: pass --precision "
-                     "bf16 or fp32 to choose")
-    lines.append(line)
-    th = facts["threads"]
-    lines.append(f"threads: torch {th['torch_intra_op']} intra-op, {th['torch_inter_op']} "
-                 f"inter-op; nmt translate: {th['translate_workers']} worker(s) x "
-                 f"{th['translate_threads_per_worker']} thread(s); nmt train: "
-                 f"{th['train_threads']} threads a process")
-    mem = facts["memory"]
-    lines.append(f"memory: {mem['libc'] or 'libc unknown'}, transparent huge pages "
-                 f"{mem['transparent_huge_pages'] or 'absent'}; nmt train re-executes with "
-                 f"its heap in huge pages: {_yes(mem['train_reexecs_with_huge_page_heap'])}"
-                 "; train and translate keep freed memory for reuse: "
-                 f"{_yes(mem['keeps_freed_memory'])}")
-    gpus = facts["gpus"]
-    if gpus["devices"]:
-        for i, gpu in enumerate(gpus["devices"]):
-            lines.append(f"GPU {i}: {gpu['name']}, {gpu['memory_gib']} GiB, compute "
-                         f"capability {gpu['capability']}, driver {gpus['driver'] or '?'}")
-    else:
-        lines.append("GPUs: none visible to torch"
-                     + (f" (driver {gpus['driver']})" if gpus["driver"] else ""))
-    extras = []
-    for extra, versions in facts["extras"].items():
-        have = all(versions.values())
-        extras.append(f"{extra} " + (", ".join(f"{k} {v}" for k, v in versions.items())
-                                     if have else "no"))
-    lines.append("extras: " + "; ".join(extras))
-    if facts["settings"]:
-        lines.append("settings: " + " ".join(f"{k}={v}" for k, v in
-                                             facts["settings"].items()))
+    """The report as indented `key: value` lines for a person to read."""
+    lines: list[str] = []
+
+    def put(key: str, value: Any, indent: str) -> None:
+        if isinstance(value, dict) and value:
+            lines.append(f"{indent}{key}:")
+            for name, inner in value.items():
+                put(name, inner, indent + "  ")
+        elif isinstance(value, list) and value and isinstance(value[0], dict):
+            for i, inner in enumerate(value):
+                put(f"{key} {i}", inner, indent)
+        else:
+            lines.append(f"{indent}{key}: {_plain(value)}")
+
+    for key, value in facts.items():
+        put(key, value, "")
     return "\n".join(lines)
 
 
-def _yes(value: object) -> str:
-    return "yes" if value else "no"
+def _plain(value: object) -> str:
+    """A fact as text: yes/no, none, numbers to 3 digits, lists space-separated."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, list | tuple):
+        return " ".join(map(str, value)) or "none"
+    return "none" if value in (None, {}, "") else str(value)

@@ -9,10 +9,10 @@ back, so oneDNN's per-shape primitive cache (bf16 matmuls meet a new row count a
 every update) is sized down for training and up for long-running translators. The
 measurements behind each setting: docs/performance.md ("Host memory").
 
-A training process also wants glibc's heap in transparent huge pages: with 4 KiB pages a
-bf16 training process slowed by 10-20 % over 1,000 updates as its heap spread
-(docs/training.md, "The heap in huge pages"). glibc takes that setting only from the
-environment at process start, so `nmt train` re-executes itself once with it.
+A training process also wants glibc's heap in transparent huge pages: with 4 KiB pages it
+slows down as its heap spreads (docs/training.md, "The heap in huge pages"). glibc takes
+that setting only from the environment at process start, so `nmt train` re-executes
+itself once with it.
 """
 
 from __future__ import annotations
@@ -59,12 +59,8 @@ TRAIN_BUCKETED_ONEDNN_CACHE = 1024
 # sentences finish) and brings it back in the next batch of that size, so a long-lived
 # process (`nmt serve`, a program holding a Translator, `nmt translate` on a large file)
 # needs several thousand primitives in its working set. With oneDNN's 1024 they are evicted
-# and rebuilt (about 1-2 ms each, a JIT-compiled kernel) over and over: measured on this
-# project's CPU (Intel Xeon, AVX-512/AMX, bf16, 1 thread, the demo model), after a few
-# minutes of mixed batches 32-sentence batches ran at 92-109 sentences/s instead of 127,
-# a 1-line translation took 64-71 ms instead of 53, and 520-line batches 156-171 instead of
-# 175; with 4096, 129-146, 51-56 ms and 192-216, for about 0.6 GB more peak memory (3.75
-# vs 3.18 GB after the same load). 8192 gave the same speed.
+# and rebuilt (each a JIT-compiled kernel) over and over, which slows a long-lived process
+# down; 4096 costs some peak memory (docs/performance.md, "Host memory").
 INFERENCE_ONEDNN_CACHE = 4096
 
 

@@ -2,13 +2,12 @@
 
 `auto` on a CPU picks bf16 only where it pays (`bf16_rule`, from the CPU's features): oneDNN
 must compute bf16 natively (AVX512-BF16 or AMX), and the CPU be of a kind whose bf16
-matmuls measured faster than fp32's. Native is not enough: an Intel Xeon without AMX (or
-whose AMX its hypervisor hides) runs bf16 through AVX512-BF16 slower than fp32, and trains
-slower in it (docs/performance.md, "CPU classes"); `nmt doctor` measures it on the CPU at
-hand. The documented way to see what a CPU without native bf16 gets is oneDNN's own cap:
-`ONEDNN_MAX_CPU_ISA=AVX2` (or `AVX512_CORE`) makes `auto` resolve to fp32 and every oneDNN
-kernel run its AVX2 code. An explicit bf16/fp16 on a CPU where it is slow is allowed but
-named, with its measured cost (`precision_note`).
+matmuls are faster than fp32's. Native is not enough: an Intel Xeon without AMX (or whose
+AMX its hypervisor hides) runs bf16 through AVX512-BF16 slower than fp32 (docs/performance.md,
+"CPU classes"); `nmt doctor` measures it on the CPU at hand. oneDNN's own cap shows what a
+CPU without native bf16 gets: `ONEDNN_MAX_CPU_ISA=AVX2` (or `AVX512_CORE`) makes `auto`
+resolve to fp32. An explicit bf16/fp16 on a CPU where it is slow is allowed but named, with
+its measured cost (`precision_note`).
 """
 
 from __future__ import annotations
@@ -51,10 +50,10 @@ def cpu_bf16_pays() -> bool:
 def bf16_rule() -> tuple[bool, str]:
     """Whether bf16 trains and translates faster than fp32 on this CPU, from its features
     (the ISA caps in force included), and why: oneDNN must compute bf16 natively, and the
-    CPU be one whose bf16 matmuls measured faster than fp32's (at least BF16_PAYS_FROM
-    times): AMX (Intel Xeon 4th generation and later), or AVX512-BF16 on an AMD CPU (Zen 4
-    and later). An Intel CPU with AVX512-BF16 but no AMX (Cooper Lake, or a Xeon whose
-    hypervisor hides AMX) measured about half fp32's speed (docs/performance.md)."""
+    CPU be of a kind whose bf16 matmuls run at least BF16_PAYS_FROM times fp32's speed: AMX
+    (Intel Xeon 4th generation and later), or AVX512-BF16 on an AMD CPU (Zen 4 and later).
+    An Intel CPU with AVX512-BF16 but no AMX (Cooper Lake, or a Xeon whose hypervisor hides
+    AMX) runs them slower than fp32 (docs/performance.md)."""
     from nmt import kernels  # the CPU's flags and caps, as the C kernels are chosen
 
     if not cpu_native("bf16"):
@@ -113,9 +112,8 @@ def emulation_slowdown(precision: str, training: bool, size: int = 384,
 
     The input gradient matters: on a CPU without native bf16, torch sends a bf16 matmul of
     two row-major operands (grad_out @ W, the backward of every linear) to a generic gemm,
-    about 30x slower than fp32 (1024 x 256 x 1024 with the kernels capped at AVX2: 230 ms
-    vs 7.8 ms), where a transposed operand gets oneDNN's emulation at about 4.5x. That
-    is why a bf16 training step there is tens of times slower while a forward is ~5x."""
+    far slower than the oneDNN emulation a transposed operand gets, so a bf16 training step
+    there loses much more to fp32 than a forward does (docs/performance.md)."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(size, size, generator=gen, requires_grad=training)
     x = torch.randn(size, size, generator=gen, requires_grad=training)
@@ -161,17 +159,8 @@ def precision_note(precision: str, device: torch.device, training: bool,
 
 
 def grad_scaler(device: torch.device, enabled: bool) -> torch.amp.GradScaler:
-    """The dynamic loss scaler fp16 training needs (a disabled one otherwise), for `device`.
-
-    `torch.amp.GradScaler(device)` is torch >= 2.3; older releases only have the CUDA one
-    (fp16 training on a CPU then is a usage error).
-    """
-    if hasattr(torch.amp, "GradScaler"):
-        return torch.amp.GradScaler(device.type, enabled=enabled)
-    if device.type != "cuda" and enabled:
-        raise UsageError("fp16 training on a CPU needs torch >= 2.3; use --precision "
-                         "bf16 or fp32")
-    return torch.cuda.amp.GradScaler(enabled=enabled and device.type == "cuda")
+    """The dynamic loss scaler fp16 training needs (a disabled one otherwise), for `device`."""
+    return torch.amp.GradScaler(device.type, enabled=enabled)
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:

@@ -35,12 +35,11 @@ class FillMeter:
     tokens) / 2 with EOS and no padding, over M, for the batches `batch_by_tokens` builds
     from these lengths with `--max-tokens` M. M counts padded slots of each pair's longer
     side, so the fill is below 1 by the padding of each batch's shorter pairs, by the slack
-    a batch leaves under M, and by each pair's shorter side (newstest2013+2014: 0.90 at
-    M = 3,125, 0.84-0.86 at 12,500; a synthetic WMT-sized corpus: 0.95). Those batches
-    depend only on the sorted pair costs (max(src, tgt) + 1), so the costs are sorted
-    once here and each size costs one vectorised pass plus a binary search per batch
-    (0.4-0.6 s in all for 4.5M pairs on a 2-core Xeon), with `batch_by_tokens`' own greedy
-    rule (`batch_ends`); `tests/train/test_train_loop.py` holds the count to it.
+    a batch leaves under M, and by each pair's shorter side (docs/training.md). Those
+    batches depend only on the sorted pair costs (max(src, tgt) + 1), so the costs are
+    sorted once here and each size costs one vectorised pass plus a binary search per
+    batch, with `batch_by_tokens`' own greedy rule (`batch_ends`);
+    `tests/train/test_train_loop.py` holds the count to it.
     """
 
     def __init__(self, src_lens: np.ndarray, tgt_lens: np.ndarray, max_len: int) -> None:
@@ -82,8 +81,7 @@ def derive_batching(cfg: TrainConfig, world_size: int, src_lens: np.ndarray | No
     re-measured at M and M adjusted to it (up to `REFILLS` times, until M repeats; the M
     whose W x F x M x fill(M) is nearest to B is kept). That product is then about B, on
     one GPU (F x M) as on eight (1 x M each) although smaller micro-batches pack tighter;
-    counted in padded slots (the meaning before) the updates fell 10-16 % short on
-    newstest2013+2014 (5 % on a synthetic WMT-sized corpus), by more on fewer GPUs.
+    counted in padded slots instead, the updates would fall short of B (docs/training.md).
     Deterministic: the same lengths, flags and W give the same shape, so a resume
     re-derives it exactly (and re-derives it on another W).
 

@@ -83,9 +83,8 @@ def punct_normalizer(lang: str) -> MosesPunctNormalizer:
     - a sentence-final `."` is left alone in non-English text (perl moves it to `".`: its
       pattern `(\\.+)"(\\s*[^<])` matches the line's own newline, against the script's
       comment "don't fix period at end of sentence").
-    Checked with the perl script (mosesdecoder master) on Multi30k and newstest2013/2014:
-    those two rules are the only differences (German: 7 of 29,000 Multi30k training lines,
-    38 and 52 of the 3,000 / 3,003 newstest lines; English: none).
+    Checked against the perl script on Multi30k and newstest2013/2014: those two rules are
+    the only differences.
     """
     from sacremoses import MosesPunctNormalizer
 

@@ -1,7 +1,7 @@
 """Read-only, memory-mapped access to what `nmt bpe DATA` wrote under DATA/bin, and the
 training split's corpora (line ranges and sampling weights) from DATA/manifest.json.
 
-Nothing is loaded into memory up front: a 36M-line corpus opens in milliseconds and every
+Nothing is loaded into memory up front: a corpus of any size opens at once, and every
 training process shares the same pages. Files are checked on open (shapes, dtypes,
 offsets start at 0, never decrease, end at the token count; both sides have as many lines).
 """

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nmt import kernels
-from nmt.inference.kernel_linear import KernelSpec, quantize_rows, run
+from nmt.inference.kernel_linear import KernelSpec, int8_agrees, run
 
 PARAMS = 12  # P_COUNT of the C source
 OP_AVAILABLE, OP_PACK, OP_LINEAR, OP_AVAILABLE_I8, OP_PACK_I8, OP_LINEAR_I8 = range(6)
@@ -60,12 +60,6 @@ def _agrees(lib: ctypes.CDLL) -> bool:
 KERNEL = kernels.Kernel("amx_linear", "nmt_amx_linear", PARAMS, _agrees)
 
 
-def has_amx() -> bool:
-    """Whether this CPU has AMX (tiles, bf16 and int8 products) and no ISA cap rules it out
-    for this process: then oneDNN's bf16 layers and nmt's AMX kernel use it."""
-    return kernels.allowed("amx") is None
-
-
 def int8_works() -> bool:
     """Whether the kernel's int8 ops run here (built with AMX-INT8, AMX granted) and match
     the same quantization done by PyTorch (`_int8_agrees`, checked once per library)."""
@@ -78,28 +72,10 @@ def int8_works() -> bool:
 
 @functools.cache
 def _int8_agrees(lib: ctypes.CDLL) -> bool:
-    """The int8 ops run and agree as exactly as float rounding allows: row counts below, at
-    and past the 16- and 32-row blocks, a width no multiple of 16, with and without a
-    bias, one and two threads."""
-    if kernels.call_linear(lib.nmt_amx_linear, OP_AVAILABLE_I8) != 0:
-        return False
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randint(-127, 128, (40, 128), generator=gen, dtype=torch.int8)
-    scale = torch.rand(40, generator=gen) / 50 + 1e-3
-    bias = torch.randn(40, generator=gen)
-    packed = _pack(lib, weight)
-    for rows in (1, 5, 16, 17, 33, 70):
-        x = torch.randn(rows, 128, generator=gen)
-        x[0] = 0.0  # an all-zero row
-        q, xs = quantize_rows(x)
-        exact = (q.double() @ weight.double().T) * xs.double()[:, None] * scale.double()
-        for b in (bias, None):
-            want = exact if b is None else exact + b.double()
-            for threads in (1, 2):
-                got = run(INT8, lib, x, packed, 40, b, threads, scale).double()
-                if not torch.allclose(got, want, rtol=1e-5, atol=1e-4):
-                    return False
-    return True
+    """The int8 ops run (AMX-INT8 granted) and equal PyTorch's same quantization: row counts
+    below, at and past the 16- and 32-row blocks, a width no multiple of 16."""
+    return kernels.call_linear(lib.nmt_amx_linear, OP_AVAILABLE_I8) == 0 and int8_agrees(
+        INT8, lib, ((40, 128),), (1, 5, 16, 17, 33, 70))
 
 
 BF16 = KernelSpec("AMX bf16 kernel", KERNEL, torch.bfloat16, 32, OP_LINEAR, _pack,

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from nmt import kernels
-from nmt.inference.kernel_linear import KernelSpec, quantize_rows, run
+from nmt.inference.kernel_linear import KernelSpec, int8_agrees
 
 PARAMS = 12  # P_COUNT of the C source
 OP_AVAILABLE, OP_PACK, OP_LINEAR, OP_LEVELS = range(4)
@@ -37,30 +37,12 @@ def _pack(lib: ctypes.CDLL, q: Tensor) -> Tensor:
 
 
 def _agrees(lib: ctypes.CDLL) -> bool:
-    """The kernel runs here and equals the same quantization done by PyTorch, integer
-    sums exact: row counts below, at and past the 4-row tile and a chunk, widths below and
-    past a 16-output block, with and without a bias, one and two threads."""
-    if kernels.call_linear(lib.nmt_avx2_linear, OP_AVAILABLE) != 0:
-        return False
-    levels = kernels.call_linear(lib.nmt_avx2_linear, OP_LEVELS)
-    gen = torch.Generator().manual_seed(0)
-    for n, k in ((40, 128), (7, 64)):
-        weight = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
-        scale = torch.rand(n, generator=gen) / 50 + 1e-3
-        bias = torch.randn(n, generator=gen)
-        packed = _pack(lib, weight)
-        for rows in (1, 3, 4, 6, 70, 600):
-            x = torch.randn(rows, k, generator=gen)
-            x[0] = 0.0  # an all-zero row
-            q, xs = quantize_rows(x, levels)
-            exact = (q.double() @ weight.double().T) * xs.double()[:, None] * scale.double()
-            for b in (bias, None):
-                want = exact if b is None else exact + b.double()
-                for threads in (1, 2):
-                    got = run(INT8, lib, x, packed, n, b, threads, scale).double()
-                    if not torch.allclose(got, want, rtol=1e-5, atol=1e-4):
-                        return False
-    return True
+    """The kernel runs here and equals PyTorch's same quantization: row counts below, at and
+    past the 4-row tile and a chunk, widths below and past a 16-output block."""
+    entry = lib.nmt_avx2_linear
+    return kernels.call_linear(entry, OP_AVAILABLE) == 0 and int8_agrees(
+        INT8, lib, ((40, 128), (7, 64)), (1, 3, 4, 6, 70, 600),
+        kernels.call_linear(entry, OP_LEVELS))
 
 
 KERNEL = kernels.Kernel("avx2_linear", "nmt_avx2_linear", PARAMS, _agrees)

@@ -14,9 +14,8 @@ Memory has an explicit owner. A `DecodingWorkspace` (one per model, kept by the 
 holds the model's output projection layer where it has one (nmt/inference/backends.py
 `prepare`) and lends the (rows, vocab) logits buffer its previous batch's decoder left to
 the next one (`with workspace.decoder(src) as decoder: ...`). The key/value caches are
-plain tensors freed with their decoder: on CPU the translator keeps glibc from unmapping
-freed blocks (nmt/host_memory.py), so the next batch reuses mapped pages without a pool of
-ours (see nmt/inference/kv_cache.py). Nothing global, no finalisers.
+plain tensors freed with their decoder (why no pool: nmt/inference/kv_cache.py). Nothing
+global, no finalisers.
 """
 
 from __future__ import annotations
@@ -86,9 +85,8 @@ def init_state(model: Transformer, enc: EncoderOutput, attention_layer: int = -1
     cross = [layer.cross_attn.project_kv(enc.states) for layer in model.decoder]
     keys_t = [keys_layout(k) for k, _ in cross]  # (n, heads, d_k, src_len)
     values = [v.contiguous() for _, v in cross]  # (n, heads, src_len, d_v)
-    return cache.start(keys_t, values,
-                               enc.padding_mask, enc.attn_mask(), model.config.max_positions,
-                               attention_layer)
+    return cache.start(keys_t, values, enc.padding_mask, enc.attn_mask(),
+                       model.config.max_positions, attention_layer)
 
 
 def decode_step(model: Transformer, tokens: Tensor, state: DecodingCache, *,

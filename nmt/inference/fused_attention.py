@@ -108,7 +108,6 @@ def _run(lib: ctypes.CDLL, q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | Non
     return view
 
 
-
 def _agrees(lib: ctypes.CDLL) -> bool:
     """The kernel against the written-out softmax on a small masked case, float32 and
     bfloat16 (the grouped cache's shapes: 3 entries, 2 heads, 4 queries, 9 keys)."""

@@ -12,7 +12,7 @@ decides where each runs.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +69,31 @@ def quantize_rows(x: Tensor, levels: int = 127) -> tuple[Tensor, Tensor]:
                       torch.zeros_like(amax))
     q = torch.round(x * inv[:, None]).clamp_(-levels, levels).to(torch.int8)  # (M, K)
     return q, amax / levels
+
+
+def int8_agrees(spec: KernelSpec, lib: ctypes.CDLL, shapes: Sequence[tuple[int, int]],
+                row_counts: Sequence[int], levels: int = 127) -> bool:
+    """Whether `lib`'s int8 op equals the same quantization done by PyTorch, its integer
+    sums exact: weights of `shapes` (n, k), `row_counts` rows (around its blocks' edges) with
+    an all-zero one, with and without a bias, one and two threads."""
+    gen = torch.Generator().manual_seed(0)
+    for n, k in shapes:
+        weight = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        scale = torch.rand(n, generator=gen) / 50 + 1e-3
+        bias = torch.randn(n, generator=gen)
+        packed = spec.pack(lib, weight)
+        for rows in row_counts:
+            x = torch.randn(rows, k, generator=gen)
+            x[0] = 0.0
+            q, xs = quantize_rows(x, levels)
+            exact = (q.double() @ weight.double().T) * xs.double()[:, None] * scale.double()
+            for b in (bias, None):
+                want = exact if b is None else exact + b.double()
+                for threads in (1, 2):
+                    got = run(spec, lib, x, packed, n, b, threads, scale).double()
+                    if not torch.allclose(got, want, rtol=1e-5, atol=1e-4):
+                        return False
+    return True
 
 
 class KernelLinear(nn.Module):

@@ -19,10 +19,9 @@ a caller that knows it (beam search always does) says so with a `Regroup` and th
 reads nothing; NMT_CHECK_LAYOUT=1 (nmt/switches.py) verifies every such promise, at the
 price of those reads.
 
-Memory: buffers are plain tensors, freed when no state holds them. There is no pool of
-our own: on CPU the translator keeps glibc from unmapping freed blocks
-(nmt/host_memory.py), so the next batch's caches land on pages already mapped (a pool of
-our own was slower and grew without bound: docs/performance.md).
+Memory: buffers are plain tensors, freed when no state holds them, with no pool of our own
+(docs/performance.md): on CPU the translator keeps glibc from unmapping freed blocks
+(nmt/host_memory.py), so the next batch's caches land on pages already mapped.
 
 Tensor bookkeeping only: the sizes come from the cross-attention K/V the caller computed;
 capacities never exceed `limit`, the model's positions (see nmt/inference/decoding.py).

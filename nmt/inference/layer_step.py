@@ -234,15 +234,13 @@ def attend_one(q: Tensor, k_t: Tensor, v: Tensor, attn_mask: Tensor | None) -> T
     Incremental decoding groups the g beam rows of one sentence as the g queries of one
     entry, so the sentence's keys are read from memory once, not once per row. On GPU
     this is SDPA; on CPU the C kernel of nmt/inference/fused_attention.py when it takes the
-    operands (keys stored (b, heads, len, d_k), an additive mask), else: SDPA's CPU flash kernel
-    has a high fixed cost for so few queries
-    (about 2x slower than two batched matmuls at beam-search shapes, see
-    bench/model_speed.py), so the softmax is written out there, with as few passes over
-    the (b, heads, g, len) scores as it takes: the queries are scaled instead of the
-    scores (in the copy that makes them contiguous for the batched matmul), and a cache's
-    additive mask is one add. Keys stored transposed (the encoder's,
-    nmt/inference/decoding.py) make the scores' matmul read contiguous matrices: half its
-    time of a transposed view (docs/performance.md).
+    operands (keys stored (b, heads, len, d_k), an additive mask), else the softmax written
+    out (SDPA's CPU flash kernel has a high fixed cost for so few queries), with as few
+    passes over the (b, heads, g, len) scores as it takes: the queries are scaled instead
+    of the scores (in the copy that makes them contiguous for the batched matmul), and a
+    cache's additive mask is one add. Keys stored transposed (the encoder's,
+    nmt/inference/decoding.py) make the scores' matmul read contiguous matrices, faster
+    than a transposed view (docs/performance.md).
     """
     if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k_t.transpose(-1, -2), v, attn_mask=attn_mask)
@@ -256,8 +254,8 @@ def attend_one(q: Tensor, k_t: Tensor, v: Tensor, attn_mask: Tensor | None) -> T
 
 
 # Below this many keys torch's CPU softmax leaves its vectorised kernel (16 floats: one
-# AVX-512 register) for a scalar loop 6-7x slower (1,168 rows of 14 keys: 248 vs 40 us,
-# torch 2.13): short sources in cross-attention, the first steps of self-attention.
+# AVX-512 register) for a much slower scalar loop: short sources in cross-attention, the
+# first steps of self-attention.
 SOFTMAX_FAST_FROM = 16
 
 

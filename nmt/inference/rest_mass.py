@@ -3,10 +3,9 @@ shortlist's log-probabilities are normalised over (about) the whole vocabulary.
 
 A shortlist scores only its candidate pieces; normalising over them alone raises every
 log-probability by -log(1 - m), where m is the mass of the pieces left out. m is not small
-or constant: a model trained with label smoothing spreads about a tenth of its mass over
-the whole vocabulary (on the Multi30k demo model m has median 0.05, p90 0.19, p99 0.43 at
-a ~2,500-piece shortlist), so hypotheses with different histories get different
-shifts and the beam ranks them differently from the full-vocabulary search.
+or constant (a model trained with label smoothing spreads about a tenth of its mass over
+the whole vocabulary), so hypotheses with different histories get different shifts and
+the beam ranks them differently from the full-vocabulary search.
 
 The estimate: for the n left-out rows w_j of the output matrix, log sum_j exp(h . w_j) ~
 log n + h . mu + s/2 with s = sum_i h_i^2 var_i (the second-order cumulant expansion with
@@ -15,8 +14,8 @@ per-dimension mean and variance, found per batch from whole-vocabulary sums minu
 candidates' rows; where s > 2 log n a few of the largest logits dominate the sum and
 h . mu + sqrt(2 log n s) replaces it (the random energy model's frozen phase). It costs a
 (rows, 2 d_model) dot per step. The estimate goes into the PAD column, which every
-search counts in the normaliser and never picks. Measured effects: docs/performance.md
-("the shortlist's normaliser").
+search counts in the normaliser and never picks (docs/performance.md, "the shortlist's
+normaliser").
 """
 
 from __future__ import annotations

@@ -2,13 +2,13 @@
 
 Everything here works on a `StepDecoder`: something that, given the newest token of every row,
 returns next-token logits (log-probabilities up to a constant per row: the search normalises
-them), and that can reorder its rows. The model adapter
-(`ModelStepDecoder`, nmt/inference/decoding.py) encodes the source once and then feeds the
-incremental decoder; `EnsembleStepDecoder` averages several step decoders. Tests drive the same
-search with a fake decoder whose probabilities are a hand-written table. Imports torch and the
-special ids only, and on a CPU the C kernel that ranks a beam search step's candidates
-(nmt/inference/step_topk.py; PyTorch's ops elsewhere): the settings (beam, alpha, lengths)
-come from the caller, whose defaults live in `nmt.config.DecodeConfig`.
+them), and that can reorder its rows. The model adapter (`ModelStepDecoder`,
+nmt/inference/decoding.py) encodes the source once and then feeds the incremental decoder;
+`EnsembleStepDecoder` averages several step decoders. Tests drive the same search with a
+fake decoder whose probabilities are a hand-written table. Imports torch and the special
+ids only, and on a CPU the C kernel that ranks a beam search step's candidates
+(nmt/inference/step_topk.py; PyTorch's ops elsewhere): the settings (beam, alpha,
+lengths) come from the caller, whose defaults live in `nmt.config.DecodeConfig`.
 
 Conventions (documented in `nmt translate --help`):
 - A hypothesis is `pieces + [EOS]`; its length |Y| for the length penalty COUNTS the EOS
@@ -52,7 +52,7 @@ NEG_INF = float("-inf")
 # beam_search compacts the decoder once this fraction of its sentences has finished: each
 # compaction copies the caches of the groups that stay, while until then the finished ones
 # cost only bookkeeping where the step feeds the live rows alone (a CPU with the attention
-# kernel; docs/performance.md: 0.5 was 2.6-4.5 % faster than 0.25 there at int8).
+# kernel; docs/performance.md).
 COMPACT_AT = 0.5
 
 
@@ -188,12 +188,11 @@ def length_penalty(length: Tensor | float, alpha: float) -> Tensor:
 def penalty_table(alpha: float, size: int, device: torch.device) -> Tensor:
     """(size,) float32 on `device`: entry n is `length_penalty(n, alpha)`, bit for bit.
 
-    Built one length at a time on the host (a search divides by it every step; it used
-    to compute the one length it needed and copy it to the device, a host sync per step
-    on a GPU). Not one vectorised call: torch's vectorised pow can differ from its
-    scalar pow in the last bit, and the scores must not change. Cached (never written
-    to), and a normal tensor even under inference_mode (see `_later_keys` in
-    nmt/model/attention.py)."""
+    A search divides by it every step: one table on the device spares a host-to-device
+    copy (a host sync on a GPU) per step. Built one length at a time on the host, not by
+    one vectorised call: torch's vectorised pow can differ from its scalar pow in the last
+    bit, and the scores must not change. Cached (never written to), and a normal tensor
+    even under inference_mode (see `_later_keys` in nmt/model/attention.py)."""
     with torch.inference_mode(False):
         return torch.stack([length_penalty(n, alpha) for n in range(size)]).to(device)
 

@@ -7,7 +7,7 @@ never written); each worker adds only its own decoding memory: activations, key/
 caches and oneDNN's kernels. Each worker decodes one batch at a time with T torch threads;
 a batch goes to whichever worker is free, in the order submitted, and its result comes
 back as a `Future`. Processes rather than threads: beam search is many small torch calls,
-and a second Python thread of decoding waits for the GIL (measured in docs/performance.md).
+and a second Python thread of decoding waits for the GIL (docs/performance.md).
 
 Why the parent must not have used OpenMP threads before forking: GNU OpenMP's thread pool
 does not survive a fork, and a child that opens a parallel region of more than one thread
@@ -46,7 +46,6 @@ from nmt.errors import UsageError, WorkerDied
 
 if TYPE_CHECKING:
     from nmt.config import DecodeConfig
-
 
 
 class Engine(Protocol):

@@ -29,7 +29,7 @@ static inline float param(const void *p, int64_t i, int bf16) {
 }
 
 /* One float32 row: out = LN(x + s) * w + b. The sums run in four accumulators (a chain
- * of dependent vector adds would wait on each add's latency: 2x slower at d = 256). */
+ * of dependent vector adds would wait on each add's latency). */
 static void row_f32(const float *x, const float *s, float *out, const void *w, const void *b,
                     int64_t d, int w_bf16, float eps) {
     int64_t j = 0;

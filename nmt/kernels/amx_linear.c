@@ -2,8 +2,8 @@
  * every shape.
  *
  * Why: oneDNN (what PyTorch's bf16 linears run) compiles a new kernel for every row count
- * it meets, about 1 ms each with AMX, and beam search meets a new row count at almost every
- * step, in every worker process afresh and, with a shortlist, for every batch's width.
+ * it meets, and beam search meets a new row count at almost every step, in every worker
+ * process afresh and, with a shortlist, for every batch's width.
  * This kernel is compiled once (nmt/native.py) and takes any rows x K -> N with K a
  * multiple of 32 (nmt/inference/amx_linear.py checks and packs).
  *
@@ -27,8 +27,8 @@
  * Blocking: 32 outputs x 32 rows per pass over K (four 16x16 fp32 accumulator tiles, two
  * tiles of x, two of W); within a chunk of rows that the L2 cache holds, the output blocks
  * are the outer loop (W is read once per chunk, x stays in cache) and are shared among
- * `threads` OpenMP threads. The last, partial block
- * of rows is copied into a zero-padded buffer first, so no tile reads past x.
+ * `threads` OpenMP threads. The last, partial block of rows is copied into a zero-padded
+ * buffer first, so no tile reads past x.
  */
 #include "simd.h"
 

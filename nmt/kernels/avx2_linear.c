@@ -1,5 +1,5 @@
-/* int8 linear layers y ~ x W^T + b on 256-bit integer vectors (AVX2; AVX-VNNI or
- * AVX-512 VNNI where the build has it), one compiled kernel for every shape.
+/* int8 linear layers y ~ x W^T + b on 256-bit integer vectors (AVX2; AVX-VNNI where the
+ * build has it: levels.py's avx2_vnni), one compiled kernel for every shape.
  *
  * Why: on a CPU without AMX, int8 inference otherwise runs torch's FBGEMM / oneDNN
  * dynamic-quantized layers, which the native decoder step (native_step.c) cannot call,
@@ -50,7 +50,7 @@ enum { ROWS = 4, OUTS = 16, K_STEP = 32 };
 /* Activations as unsigned bytes u = q + OFFSET, q in [-QMAX, QMAX]. vpmaddubsw adds pairs
  * of u x w into int16, so without VNNI u stays below 128 (7 bits: no pair can saturate);
  * vpdpbusd sums into int32 and takes all 8 bits. */
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#if defined(__AVXVNNI__)
 #define QMAX 127
 #define OFFSET 128
 #else
@@ -108,9 +108,7 @@ static inline float quantize_row(const float *x, int64_t k, uint8_t *u) {
 
 /* acc += the 8 int32 sums over 4 k of u (4 bytes broadcast) times W's signed bytes. */
 static inline __m256i dot4(__m256i acc, __m256i u, __m256i w) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, u, w);
-#elif defined(__AVXVNNI__)
+#if defined(__AVXVNNI__)
     return _mm256_dpbusd_avx_epi32(acc, u, w);
 #else
     const __m256i ones = _mm256_set1_epi16(1);

@@ -2,19 +2,18 @@
  *
  * softmax(q . k * scale + mask) . v for every (entry, head, query) of a step: each key and
  * value read once, the scores, mask and softmax in a scratch row of the L1 cache, and keys
- * the mask hides (-inf) never touched. Eager PyTorch spends 6-8 dispatched ops and as many
- * passes over memory on the same (nmt/inference/fused_attention.py calls this;
- * docs/performance.md has the measurements).
+ * the mask hides (-inf) never touched, where eager PyTorch spends several dispatched ops and
+ * as many passes over memory (nmt/inference/fused_attention.py calls this).
  *
  * Shapes: q (E, H, G, D), k (E', H, L, D), v (E', H, L, DV), mask (E', 1, G, L) additive
  * (0 / -inf, the same for every head; broadcast by zero strides) or none, out (E, H, G,
  * DV), query entry e reading cache entry entries[e] (e itself without a list: E' = E; a
  * list lets a step feed only the sentences still decoding while the finished ones stay
- * in the caches untouched). Incremental decoding
- * folds a sentence's G beam rows as the G queries of its entry; with the grouped cache's
- * slot mask each query reads only the keys of its own hypothesis. Vectors along D and DV
- * are contiguous; everything else goes by strides in elements. Types: float32 or bfloat16
- * (q, k, v, mask and out alike; arithmetic in float32, the output rounded to nearest even).
+ * in the caches untouched). Incremental decoding folds a sentence's G beam rows as the G
+ * queries of its entry; with the grouped cache's slot mask each query reads only the keys
+ * of its own hypothesis. Vectors along D and DV are contiguous; everything else goes by
+ * strides in elements. Types: float32 or bfloat16 (q, k, v, mask and out alike; arithmetic
+ * in float32, the output rounded to nearest even).
  */
 #include "simd.h"
 

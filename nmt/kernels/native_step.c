@@ -1,18 +1,18 @@
 /* One incremental decoder step's layer stack on a CPU in one call: post-norm, float32 or
  * bfloat16 activations.
  *
- * A decoder step in eager PyTorch is about 240 dispatched ops for three layers (views,
- * transposes, splits, the cache writes, the checks around the C kernels); at a beam of one
- * sentence they cost more than the matrix products (docs/performance.md). This runs the
- * same arithmetic from one call: each linear on the kernel its layer uses (fp32: MKL's
- * packed sgemm on the weights nmt/inference/mkl_linear.py packed, through the
- * `cblas_sgemm_compute` torch's library exports, each output row starting as the bias,
- * beta = 1; int8 and bf16: the AMX kernel of nmt/inference/amx_linear.c on its packed
- * weights, int8 activations quantized per row inside it; int8 without AMX: the AVX2 kernel
- * of nmt/inference/avx2_linear.c, the same way), the attention and the
- * add + LayerNorm through nmt's own kernels (fused_attention.c, add_norm.c), all called by
- * address. Activations are float32 (MKL, int8 layers) or bfloat16 (bf16 layers), P_BF16. Same functions, same order, same rounding: the features are bit-identical to
- * the PyTorch path's (nmt/inference/native_step.py checks it once per process).
+ * A decoder step in eager PyTorch is hundreds of dispatched ops (views, transposes, splits,
+ * the cache writes, the checks around the C kernels); at a beam of one sentence they cost
+ * more than the matrix products (docs/performance.md). This runs the same arithmetic from
+ * one call: each linear on the kernel its layer uses (fp32: MKL's packed sgemm on the
+ * weights nmt/inference/mkl_linear.py packed, through the `cblas_sgemm_compute` torch's
+ * library exports, each output row starting as the bias, beta = 1; int8 and bf16: the AMX
+ * kernel of amx_linear.c on its packed weights, int8 activations quantized per row inside
+ * it; int8 without AMX: the AVX2 kernel of avx2_linear.c, the same way), the attention and
+ * the add + LayerNorm through nmt's own kernels (fused_attention.c, add_norm.c), all called
+ * by address. Activations are float32 (MKL, int8 layers) or bfloat16 (bf16 layers),
+ * P_BF16. Same functions, same order, same rounding: the features are bit-identical to the
+ * PyTorch path's (nmt/inference/native_step.py checks it once per process).
  *
  * Shapes: m rows fed, g rows per group (a sentence's beam), e = m / g groups fed, group i
  * of them being cache group entries[i] (i itself without a list). The self-attention caches

@@ -47,9 +47,8 @@ static inline float exp_nonpositive(float x) {
 }
 
 /* Vectors of the CPU's width (GCC/Clang vector extensions): 16 floats where the build
- * has AVX-512, else 8 (AVX2; two registers per 16-float vector cost spills there: 4x
- * slower, measured). Loaded from float32 or bfloat16 without
- * alignment assumptions. */
+ * has AVX-512, else 8 (AVX2: two registers per 16-float vector would spill). Loaded from
+ * float32 or bfloat16 without alignment assumptions. */
 #if defined(__AVX512F__)
 #define LANES 16
 #else

@@ -2,10 +2,9 @@
 
 On a CPU, drawing the mask is the costly part of dropout: `F.dropout` draws a float per
 element with `bernoulli_`. Here each 64-bit draw of torch's generator is cut into four
-16-bit uniforms and compared with p rounded to 1/65536, which is 3x cheaper than one float
-per element (figures: docs/training.md, "Training speed on a CPU"). Inverted scaling as in
-F.dropout, by the rounded p, so the expectation is exact and inference needs nothing. Other
-devices use F.dropout (a fused kernel on GPU).
+16-bit uniforms and compared with p rounded to 1/65536, far cheaper than a float per
+element (docs/training.md). Inverted scaling as in F.dropout, by the rounded p, so the
+expectation is exact and inference needs nothing. Other devices use F.dropout.
 """
 
 from __future__ import annotations

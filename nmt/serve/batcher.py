@@ -17,7 +17,7 @@ job was taken. The delivery wait is what keeps batches whole under load: while t
 side writes one batch's answers it reads no new requests, so a batch started then would
 hold only the requests queued during the last one, and the rest would form a second,
 small batch behind it; the two would alternate at half size for as long as the load
-lasts (measured with bench/serve_load.py: batches of 16 instead of 32 at concurrency 32).
+lasts (docs/serving.md).
 """
 
 from __future__ import annotations

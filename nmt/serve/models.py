@@ -33,10 +33,8 @@ class Limits:
     # Source pieces one call of the engine may hold: two of translate's --max-tokens
     # batches. The engine sorts a call's lines by length and cuts them into max-tokens
     # batches (memory stays bounded by those), so a call that spans several sorts lines of
-    # many requests together, as `nmt translate` sorts its buffer. Measured with
-    # bench/serve_load.py, 32 clients of 20 lines (about 10,000 pieces in flight): 173-198
-    # sentences/s with 16384 against 141-163 with 8192, where the 32 requests did not fit
-    # one call and some waited for two (p95 3.4-4.3 s against 5.1-7.4 s).
+    # many requests together, as `nmt translate` sorts its buffer, and a burst of
+    # concurrent requests fits one call instead of waiting for two (docs/serving.md).
     max_batch_tokens: int = 16384
     max_wait_ms: float = 30.0  # the longest a batch waits for company
     idle_ms: float = 3.0  # a batch starts once no request has come for this long

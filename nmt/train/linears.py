@@ -68,9 +68,10 @@ class _OnednnRows(torch.autograd.Function):
 
 
 def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """F.linear(x, weight, bias) on oneDNN, forward and backward: (..., in) -> (..., out)
-    (PyTorch's for no rows, which oneDNN refuses)."""
-    if x.numel() == 0:
+    """F.linear(x, weight, bias) on oneDNN, forward and backward: (..., in) -> (..., out).
+    PyTorch's for no rows, which oneDNN refuses, and under torch.compile, which picks its
+    own kernels (and cannot lower this op at dynamic shapes)."""
+    if x.numel() == 0 or torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
     if x.dim() == 2:
         return _OnednnRows.apply(x, weight, bias)

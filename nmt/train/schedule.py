@@ -274,9 +274,9 @@ def build_schedule(optimizer: torch.optim.Optimizer, d_model: int, cfg: TrainCon
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig,
                     device: torch.device, fused: bool | None = None) -> torch.optim.Adam:
     """Adam(beta1, beta2, eps) as in the paper, as torch's fused kernel on a CPU and on
-    CUDA (one pass over the weights: on a CPU foreach Adam loops tensor by tensor and took
-    4x as long), foreach elsewhere or with `fused=False`. The fused kernel can also skip a
-    step on the device: see nmt/train/step.py `DeviceSkip`."""
+    CUDA (one pass over the weights, where foreach Adam on a CPU loops tensor by tensor),
+    foreach elsewhere or with `fused=False`. The fused kernel can also skip a step on the
+    device: see nmt/train/step.py `DeviceSkip`."""
     if fused is None:
         fused = device.type in ("cpu", "cuda")
     return torch.optim.Adam(list(params), lr=0.0, betas=(cfg.adam_beta1, cfg.adam_beta2),

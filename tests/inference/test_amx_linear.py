@@ -16,6 +16,7 @@ from helpers.models import make_model, random_batch
 from helpers.native import without_kernels
 from torch import nn
 
+from nmt import kernels
 from nmt.inference import amx_linear, backends
 from nmt.inference.decoding import DecodingWorkspace
 from nmt.inference.kernel_linear import KernelLinear, quantize_rows
@@ -24,7 +25,7 @@ from nmt.inference.search import beam_search, max_output_lengths
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.isa]
 
-needs_amx = pytest.mark.skipif(not (amx_linear.has_amx() and amx_linear.BF16.works()),
+needs_amx = pytest.mark.skipif(not (kernels.allowed("amx") is None and amx_linear.BF16.works()),
                                reason="the kernel does not run here: no AMX-BF16, kernels "
                                       "capped below it, or no C compiler")
 
@@ -161,7 +162,7 @@ def test_where_the_kernel_does_not_run_the_onednn_layer_does(
         assert isinstance(backends.layer(weight, None, "bf16"), PackedLinear)
     monkeypatch.undo()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")  # a CPU without AMX
-    assert not amx_linear.has_amx() and backends.column() != "amx"
+    assert kernels.allowed("amx") is not None and backends.column() != "amx"
     assert isinstance(backends.layer(weight, None, "bf16"), PackedLinear)
     assert not amx_linear.BF16.fits(torch.randn(48, 40))
     with pytest.raises(ValueError, match="in_features % 32"):
@@ -169,7 +170,7 @@ def test_where_the_kernel_does_not_run_the_onednn_layer_does(
 
 
 def test_without_its_library_bf16_linears_stay_with_onednn(tmp_path) -> None:
-    if not amx_linear.has_amx():
+    if kernels.allowed("amx") is not None:
         pytest.skip("this CPU has no AMX-BF16: the kernel is never built here")
     code = ("import torch\n"
             "from nmt.inference.backends import layer\n"
@@ -182,7 +183,7 @@ def test_without_its_library_bf16_linears_stay_with_onednn(tmp_path) -> None:
 # --- int8 -------------------------------------------------------------------------------
 
 needs_amx_int8 = pytest.mark.skipif(
-    not (amx_linear.has_amx() and amx_linear.INT8.works()),
+    not (kernels.allowed("amx") is None and amx_linear.INT8.works()),
     reason="the int8 kernel does not run here: no AMX-INT8, kernels capped below it, or no "
            "C compiler")
 
@@ -247,7 +248,7 @@ def test_int8_where_the_kernel_does_not_run_torch_kernels_do(
     assert is_amx(backends.layer(weight, None, "int8"), amx_linear.INT8) == loaded
     monkeypatch.undo()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_VNNI")  # a CPU without AMX
-    assert not amx_linear.has_amx() and backends.column() != "amx"
+    assert kernels.allowed("amx") is not None and backends.column() != "amx"
     assert not is_amx(backends.layer(weight, None, "int8"), amx_linear.INT8)
     assert not amx_linear.INT8.fits(torch.randn(48, 40))
     if amx_linear.KERNEL.enabled():

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import REPO
 from helpers.models import make_model
 from torch import nn
 
@@ -243,3 +244,14 @@ def test_this_machine_gets_the_layer_its_cell_names(precision: str) -> None:
                     and ((n, precision) not in backends.SPECS
                          or backends.SPECS[n, precision].fits(weight)))
         assert backend_of(layers[name], precision) == want, name
+
+
+@pytest.mark.parametrize("doc", ["docs/inference.md", "docs/design.md"])
+def test_the_docs_print_the_table_as_it_is(doc: str) -> None:
+    """The table in the docs is `render()`'s, between its markers: regenerate it with
+    `python -c "from nmt.inference.backends import render; print(render())"`."""
+    text = (REPO / doc).read_text(encoding="utf-8")
+    begin = text.index("<!-- the backend table:")
+    start = text.index("\n", begin) + 1
+    end = text.index("<!-- end of the backend table -->", start)
+    assert text[start:end].rstrip("\n") == backends.render(), f"{doc}: regenerate the table"

@@ -14,6 +14,7 @@ import torch
 from conftest import torch_threads
 from helpers.models import make_model, random_batch
 
+from nmt import kernels
 from nmt.inference import amx_linear, avx2_linear, backends, mkl_linear, native_step
 from nmt.inference.backends import swap_linears
 from nmt.inference.decoding import DecodingWorkspace, decode_step
@@ -41,7 +42,8 @@ needs_avx2_int8 = pytest.mark.skipif(
     reason="no AVX2 int8 kernel here (no AVX2, or no C compiler)")
 
 needs_amx_bf16 = pytest.mark.skipif(
-    not (amx_linear.has_amx() and amx_linear.BF16.works() and native_step.KERNEL.enabled()),
+    not (kernels.allowed("amx") is None and amx_linear.BF16.works()
+         and native_step.KERNEL.enabled()),
     reason="no AMX-BF16 kernel here (no AMX, kernels capped below it, or no C compiler): "
            "bf16 layers are oneDNN's, which the native step does not take")
 

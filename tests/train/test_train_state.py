@@ -14,8 +14,6 @@ import torch
 
 import nmt.checkpoint as checkpoint_module
 from nmt.checkpoint import FORMAT, load_checkpoint
-from nmt.errors import UsageError
-from nmt.precision import grad_scaler
 from nmt.train import state
 from nmt.train.schedule import total_norm
 from nmt.train.state import LAST, capture_rng, prune_checkpoints, restore_rng, write_checkpoint
@@ -110,17 +108,6 @@ def test_total_norm_without_get_total_norm(monkeypatch):
     torch.testing.assert_close(got, want)
     flat = torch.cat([g.reshape(-1) for g in grads])
     torch.testing.assert_close(got, flat.norm())
-
-
-@pytest.mark.filterwarnings("ignore::FutureWarning")  # the old API, on purpose
-def test_grad_scaler_without_torch_amp_grad_scaler(monkeypatch):
-    """torch < 2.3 has only the CUDA scaler: fp32/bf16 on a CPU still get a disabled one,
-    fp16 on a CPU is a usage error naming the alternatives."""
-    assert grad_scaler(torch.device("cpu"), enabled=True).is_enabled()
-    monkeypatch.delattr(torch.amp, "GradScaler")
-    assert not grad_scaler(torch.device("cpu"), enabled=False).is_enabled()
-    with pytest.raises(UsageError, match="bf16 or fp32"):
-        grad_scaler(torch.device("cpu"), enabled=True)
 
 
 def test_stale_temp_of_a_killed_link_is_removed(tmp_path: Path):
