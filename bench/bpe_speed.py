@@ -140,7 +140,9 @@ def main() -> None:
                   f"{result['cpu_seconds']:.1f} CPU s = "
                   f"{result['sentences_per_cpu_s']:,.0f} sentences per CPU second")
     best = max(runs, key=lambda r: r["sentences_per_s"])
+    from nmt.doctor import report as machine  # beside every figure
     print(json.dumps({
+        "doctor": machine(measure=False),
         "bench": "bpe_speed", "lines_per_side": args.lines, "sentences": 2 * args.lines,
         "sentences_definition": "lines per side x 2 (source and target)",
         "chunk_lines": chunk, "cpu_count": os.cpu_count(),

@@ -676,7 +676,9 @@ def main() -> int:
         print(f"  {c.name:<{width}}  {c.status:<4}  {c.figure}" + (f"  [{c.detail}]"
                                                                   if c.detail else ""))
     failed = [c.name for c in checks if c.status == "FAIL"]
-    print(json.dumps({"bench": "gpu_check", "device": name, "dry_run": setup.dry,
+    from nmt.doctor import report as machine  # beside every figure
+    print(json.dumps({"doctor": machine(measure=False),
+                      "bench": "gpu_check", "device": name, "dry_run": setup.dry,
                       "torch": torch.__version__, "updates": setup.updates,
                       "lines": setup.lines, "failed": failed,
                       "checks": {c.name: {"status": c.status, "figure": c.figure,

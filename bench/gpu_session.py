@@ -295,7 +295,9 @@ def main() -> int:
         print(f"  {r['step']:<26} {r['seconds']:7.1f} s{mark}")
     print(f"  {'total':<26} {total:7.1f} s")
     failed = [r["step"] for r in results if r["rc"] not in (0, None)]
-    print(json.dumps({"bench": "gpu_session", "dry_run": opts.dry_run, "total_s":
+    from nmt.doctor import report as machine  # beside every figure
+    print(json.dumps({"doctor": machine(measure=False),
+                      "bench": "gpu_session", "dry_run": opts.dry_run, "total_s":
                       round(total, 1), "failed": failed, "steps": results}))
     return 1 if failed else 0
 

@@ -644,7 +644,8 @@ def main() -> None:
         if figures.get("profile"):
             print(f"--- profile, loss {name}")
             print_profile(figures["profile"], figures["step_time_s"])
-    print(json.dumps(result))
+    from nmt.doctor import report as machine  # beside every figure
+    print(json.dumps({**result, "doctor": machine(measure=False)}))
 
 
 if __name__ == "__main__":

@@ -229,7 +229,8 @@ def main() -> None:
                                      opt.ct2_compute_types.split(","), vocab, refs)
             if why:
                 meta["ct2_skipped"] = why
-    print(json.dumps(report(nmt_rows, ct2_rows, meta)))
+    from nmt.doctor import report as machine  # beside every figure
+    print(json.dumps({**report(nmt_rows, ct2_rows, meta), "doctor": machine(measure=False)}))
 
 
 if __name__ == "__main__":

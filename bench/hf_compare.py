@@ -81,7 +81,9 @@ def main() -> None:
           f"({'generate' if removed else 'pipeline'}): BLEU {scores['transformers']:.2f}, "
           f"{len(sources) / hf_s:.1f} sentences/s")
     print(f"identical outputs: {same}/{len(sources)}; export took {export_s:.1f} s")
-    print(json.dumps({"bench": "hf_compare", "checkpoint": str(opts.checkpoint),
+    from nmt.doctor import report as machine  # beside every figure
+    print(json.dumps({"doctor": machine(measure=False),
+                      "bench": "hf_compare", "checkpoint": str(opts.checkpoint),
                       "threads": opts.threads, "lines": len(sources),
                       "transformers": transformers.__version__,
                       "nmt": {"bleu": scores["nmt"], "sentences_per_s": len(sources) / nmt_s},

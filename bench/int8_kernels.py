@@ -112,7 +112,9 @@ def main() -> None:
                 f"{name} {t:8.1f}" for name, t in us.items()), flush=True)
     env = {key: os.environ.get(key, "") for key in
            ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS")}
-    print(json.dumps({"bench": "int8_kernels", "threads": opts.threads, "kernels": names,
+    from nmt.doctor import report as machine  # beside every figure
+    print(json.dumps({"doctor": machine(measure=False),
+                      "bench": "int8_kernels", "threads": opts.threads, "kernels": names,
                       "cpu_capability": torch.backends.cpu.get_cpu_capability(), "env": env,
                       "results": results, "load_average_1_5_15": list(os.getloadavg())}))
 

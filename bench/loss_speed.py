@@ -194,7 +194,9 @@ def main() -> None:
             ratios = {f"{v}_over_reference_cpu": rows[v]["cpu_s"] / rows["reference"]["cpu_s"]
                       for v in rows if v != "reference" and "reference" in rows}
             results[f"{shape}/{precision}"] = {**SHAPES[shape], **rows, **ratios}
-    print(json.dumps({"bench": "loss_speed", "device": opts.device, "threads": opts.threads,
+    from nmt.doctor import report as machine  # beside every figure
+    print(json.dumps({"doctor": machine(measure=False),
+                      "bench": "loss_speed", "device": opts.device, "threads": opts.threads,
                       "chunk_rows": opts.chunk_rows, "steps": opts.steps,
                       "load_avg": list(os.getloadavg()), "torch": torch.__version__,
                       "results": results}))

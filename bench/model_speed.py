@@ -201,7 +201,8 @@ def main() -> None:
     if "fairseq" in result:
         for key in set(result["nmt"]) & set(result["fairseq"]):
             result[f"speedup_{key}"] = round(result["nmt"][key] / result["fairseq"][key], 3)
-    print(json.dumps(result))
+    from nmt.doctor import report as machine  # beside every figure
+    print(json.dumps({**result, "doctor": machine(measure=False)}))
 
 
 if __name__ == "__main__":

@@ -366,7 +366,8 @@ def main() -> None:
                   for t in toolkits},
                **{f"{t}_chrf": {f"{r['minutes']:g}": r["chrf"] for r in results[t]}
                   for t in toolkits}}
-    print(json.dumps(summary))
+    from nmt.doctor import report as machine  # beside every figure
+    print(json.dumps({**summary, "doctor": machine(measure=False)}))
 
 
 if __name__ == "__main__":

@@ -276,7 +276,8 @@ def main() -> None:
         print_summary(summary, workers, opts.rounds)
     if len(counts) > 1:
         report["scaling"] = scaling(rounds[counts[0]], rounds[counts[-1]], counts)
-    print(json.dumps(report))
+    from nmt.doctor import report as machine  # beside every figure
+    print(json.dumps({**report, "doctor": machine(measure=False)}))
 
 
 def print_summary(summary: dict, workers: int, count: int) -> None:

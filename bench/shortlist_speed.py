@@ -68,7 +68,9 @@ def main() -> None:
         ratio = rows[precision]["shortlist"] / rows[precision]["full"]
         print(f"{precision}: shortlist {ratio:.2f}x ({candidates} of {vocab} pieces scored)",
               flush=True)
-    print(json.dumps({"bench": "shortlist_speed", "vocab": vocab, "arch": "base",
+    from nmt.doctor import report as machine  # beside every figure
+    print(json.dumps({"doctor": machine(measure=False),
+                      "bench": "shortlist_speed", "vocab": vocab, "arch": "base",
                       "candidates": candidates, "sentences": opts.sentences,
                       "steps": opts.steps, "sentences_per_s": rows}))
 

@@ -238,7 +238,9 @@ def main() -> None:
     print(f"load average (1 min) before/after: {load[0]:.1f} / {load[1]:.1f} on "
           f"{os.cpu_count()} cores; rates are medians over all timed steps of "
           f"{opts.rounds} (small) / {opts.base_rounds} (base) alternating rounds", flush=True)
-    print(json.dumps({"bench": "train_throughput", "device": "cpu", "threads": opts.threads,
+    from nmt.doctor import report as machine  # beside every figure
+    print(json.dumps({"doctor": machine(measure=False),
+                      "bench": "train_throughput", "device": "cpu", "threads": opts.threads,
                       "max_tokens": opts.max_tokens, "vocab": opts.vocab,
                       "load_avg": load, "results": {
                           k: v for k, v in results.items()}}))

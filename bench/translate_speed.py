@@ -553,7 +553,8 @@ def report(best: dict[str, dict], opts: argparse.Namespace, checkpoint: Path,
         row.pop("hyps", None)
     result["rows"] = best
     result["load_average_1_5_15"] = list(os.getloadavg())
-    print(json.dumps(result))
+    from nmt.doctor import report as machine  # beside every figure
+    print(json.dumps({**result, "doctor": machine(measure=False)}))
 
 
 if __name__ == "__main__":
