@@ -40,7 +40,7 @@ AVX2_ENV := ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCT
 TEST_WORKERS ?= 2
 PYTEST := $(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: demo install test gpu-visit-files
+.PHONY: demo install test check gpu-visit-files
 install: $(VENV)/.installed
 
 # The C kernels are compiled by the install (setup.py): a change to them reinstalls.
@@ -59,6 +59,11 @@ $(VENV)/.installed-dev: pyproject.toml $(KERNEL_SOURCES)
 test: $(VENV)/.installed-dev
 	$(PYTEST)
 	$(AVX2_ENV) $(PYTEST) -m isa
+
+# `make check`: the fast loop while you work (README): no training runs, multi-process or
+# fault-injection runs, wheel builds.
+check: $(VENV)/.installed-dev
+	$(PYTEST) -m "not slow"
 
 demo: install
 	$(NMT) prep $(RECIPE) -o $(DATA) $(if $(MIRROR),--mirror $(MIRROR))

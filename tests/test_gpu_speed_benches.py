@@ -43,6 +43,7 @@ def test_train_speed_smoke(loss):
     assert report["model_tflops"] > 0 and report["attention_tflops"] > 0
 
 
+@pytest.mark.slow  # the fast loop keeps its module's cheaper tests
 def test_train_speed_mfu_with_a_given_peak():
     report = _run(["bench/gpu_train_speed.py", "--smoke", "--peak-tflops", "1"])
     assert report["mfu"] == pytest.approx(report["model_tflops"] / 1.0)
@@ -65,6 +66,7 @@ def test_translate_speed_smoke(wmt14_dir, tmp_path):
         assert report["ct2_skipped"]
 
 
+@pytest.mark.slow  # the fast loop keeps its module's cheaper tests
 def test_train_speed_smoke_8_gpu_shape_both_losses():
     """--gpus 8 --loss both: one GPU's share of an 8-GPU run (1 micro-batch of 1/8 of the
     batch), the reference and the fused loss timed in one process from the same weights,

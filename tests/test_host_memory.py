@@ -151,6 +151,7 @@ _SHOW_TUNABLES = ("import os, sys; print('tunables=' + os.environ.get('GLIBC_TUN
                   "file=sys.stderr, flush=True); from cli.main import main; main()")
 
 
+@pytest.mark.slow  # the fast loop keeps its module's cheaper tests
 def test_only_nmt_train_re_executes_with_the_heap_in_huge_pages(tmp_path: Path, nmt_cli):
     cli = nmt_cli.instrumented(_SHOW_TUNABLES)
     env = {"GLIBC_TUNABLES": None, "NMT_HUGE_PAGE_HEAP": None}

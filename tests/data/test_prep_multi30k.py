@@ -70,6 +70,7 @@ def test_mirror_missing_files_lists_names_and_urls(tmp_path, multi30k_dir):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # the fast loop keeps its module's cheaper tests
 def test_output_is_the_same_for_any_worker_count(tmp_path, multi30k_dir):
     """29,000 training pairs are six cleaning chunks: 1 and 3 processes write the same."""
     one = prepare("multi30k-en-de", tmp_path / "one", multi30k_dir, workers=1)

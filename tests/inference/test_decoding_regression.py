@@ -104,6 +104,7 @@ def plain(results: list[list[Hypothesis]]) -> list[list[tuple[list[int], float, 
     return [[(h.tokens, h.score, h.log_prob) for h in hyps] for hyps in results]
 
 
+@pytest.mark.slow  # the fast loop keeps its module's cheaper tests
 @torch.no_grad()
 def test_pooled_memory_and_batches_change_nothing(setup) -> None:
     translator, sources = setup

@@ -145,7 +145,7 @@ def test_inexpressible_models_are_refused(tmp_path: Path, nmt_cli: NmtCli) -> No
             ("learned", {"learned_positions": True}, "learned positions"),
             ("heads", {"d_k": 8}, "heads are 8/")):
         checkpoint = make_checkpoint(spm, tmp_path / f"{name}.pt", **overrides)
-        result = nmt_cli.run("export", "hf", "-m", checkpoint, "-o", tmp_path / name)
+        result = nmt_cli.invoke("export", "hf", "-m", checkpoint, "-o", tmp_path / name)
         assert_one_line(result, 2, "cannot export as a transformers MarianMTModel", words,
                         "nmt export ct2 takes it")
         assert not (tmp_path / name).exists()

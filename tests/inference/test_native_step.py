@@ -185,6 +185,7 @@ def test_searches_find_the_same_hypotheses_with_the_same_scores(
     assert max(len(h.tokens) for row in got for h in row) >= 20
 
 
+@pytest.mark.slow  # the fast loop keeps its module's cheaper tests
 @needs_native
 @pytest.mark.parametrize("make", MAKERS)
 def test_two_threads_give_the_one_thread_result(make: object) -> None:

@@ -51,6 +51,7 @@ def reference(tiny_checkpoint: Path, lines: list[str]) -> bytes:
     return stream(Engine.load([tiny_checkpoint], CFG, device="cpu", precision="fp32"), lines)
 
 
+@pytest.mark.slow  # the fast loop keeps its module's cheaper tests
 @pytest.mark.parametrize("workers", [2, 3])
 def test_any_number_of_workers_writes_the_same_bytes(tiny_checkpoint: Path, lines: list[str],
                                                       reference: bytes, workers: int) -> None:
