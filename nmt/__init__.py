@@ -7,14 +7,16 @@ The Python API (nmt/api.py), importable without loading torch:
     translator.translate(["A man rides a bike."])
 
 Where things live:
-- `nmt.model`: the network (transformer, layers, attention, dropout).
+- `nmt.model`: the network (transformer, layers, attention, dropout), the reference.
 - `nmt.inference`: search, incremental decoding and its caches, the translate pipeline,
-  fast CPU linears, exporters.
+  the table of CPU backends and the fast paths, exporters.
+- `nmt.kernels`: the C kernels, built at install per ISA level, loaded per CPU.
 - `nmt.train`: the training step, loss, schedules and the loop around them.
 - `nmt.data`: recipes, prep, sentencepiece BPE, binarized datasets, batching.
 - `nmt.api`: the Python API above, a thin layer over `nmt.inference`.
 - Shared, at the top: config (every default), checkpoint (the model file), errors, fileio,
-  device, precision, score, average, special_ids, cores, host_memory, plot.
+  device, precision, score, average, special_ids, cores, host_memory, plot; doctor (what
+  `nmt doctor` reports) reads them all.
 
 Dependencies point one way (tests/test_dependencies.py): data and model use only the
 shared modules, inference adds those two, train adds inference; the CLI (cli/) sits above it
