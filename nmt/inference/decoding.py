@@ -33,7 +33,7 @@ from nmt.inference.fused_attention import keys_layout
 from nmt.inference.int8_linear import Int8Linear
 from nmt.inference.kernel_linear import KernelLinear
 from nmt.inference.kv_cache import GroupedCache, Regroup
-from nmt.inference.layer_step import LayerCache, decoder_layer_step, encode
+from nmt.inference.layer_step import LayerCache, decoder_layer_step, encoder_layer
 from nmt.inference.native_step import NativeStep, plan_for
 from nmt.inference.rest_mass import RestMass, VocabularyMoments
 from nmt.inference.search import beam_search, greedy_decode, max_output_lengths
@@ -248,7 +248,8 @@ class ModelStepDecoder:
                  cache: type[DecodingCache] = GroupedCache,
                  columns: Tensor | None = None) -> None:
         self.model = model
-        self.state = init_state(model, encode(model, src), cache=cache)
+        self.state = init_state(model, model.encode(src, layer_step=encoder_layer),
+                                cache=cache)
         self._likely = likely_positions(src.size(1))
         self.projection = None if workspace is None else workspace.projection
         # A shortlist: the search sees columns 0..V'-1 (token `columns[c]`), the specials

@@ -4,11 +4,11 @@ The network (nmt/model) is the paper's, computed over whole sequences; this modu
 layers one position at a time over a key/value cache, reading their parameters:
 `decoder_layer_step` (self-attention that writes this position's key/value and attends over
 the history, encoder-decoder attention over the encoder's K/V computed once, feed-forward)
-and `encode` (the encoder, whose residuals take the fused kernel). On a CPU the attention of
-a step runs the C kernel of nmt/inference/fused_attention.py where it takes the operands,
-and a post-norm residual the add + LayerNorm kernel of nmt/inference/add_norm.py; elsewhere
-PyTorch's ops. tests/inference/test_layer_step.py holds every path to the network's own
-forward.
+and `encoder_layer` (an encoder layer, for `model.encode(src, layer_step=encoder_layer)`).
+On a CPU a step's attention runs the C kernel of nmt/inference/fused_attention.py where it
+takes the operands, and a post-norm residual the add + LayerNorm kernel of
+nmt/inference/add_norm.py; elsewhere PyTorch's ops. tests/inference/test_layer_step.py
+holds every path to the network's own forward.
 
 Caches are decoding's business (nmt/inference/kv_cache.py); a layer's step sees its part of
 the state through one interface, `LayerCache`: project -> write -> attend. The n rows decoded
@@ -29,7 +29,6 @@ from torch import Tensor
 from nmt.inference import add_norm, fused_attention
 from nmt.model.attention import CrossAttention, SelfAttention, apply_mask_, masked_scores
 from nmt.model.layers import DecoderLayer, EncoderLayer, Residual
-from nmt.model.transformer import EncoderOutput, Transformer
 
 
 class LayerCache(Protocol):
@@ -97,11 +96,6 @@ def encoder_layer(layer: EncoderLayer, x: Tensor, mask: Tensor | None) -> Tensor
     """`layer(x, mask)` at inference, its residuals through `residual`."""
     x = residual(layer.res_attn, x, layer.self_attn(layer.res_attn.before(x), mask))
     return residual(layer.res_ffn, x, layer.ffn(layer.res_ffn.before(x)))
-
-
-def encode(model: Transformer, src: Tensor) -> EncoderOutput:
-    """`model.encode(src)` at inference, each layer through `encoder_layer`."""
-    return model.encode(src, layer_step=encoder_layer)
 
 
 def decoder_layer_step(layer: DecoderLayer, x: Tensor, cache: LayerCache,

@@ -29,13 +29,12 @@ from nmt.switches import switch
 
 HERE = Path(__file__).parent
 
-# Each cap's values (upper case), and the highest level it leaves.
-_ATEN_CAPS = {"DEFAULT": "baseline", "AVX2": "avx2"}  # ATen's AVX512 caps nothing of ours
-_ONEDNN_CAPS = {"SSE41": "baseline", "AVX": "baseline", "AVX2": "avx2",
-                "AVX2_VNNI": "avx2_vnni", "AVX2_VNNI_2": "avx2_vnni",
-                "AVX512_CORE": "avx512", "AVX512_CORE_VNNI": "avx512",
-                "AVX512_CORE_BF16": "avx512_bf16", "AVX512_CORE_FP16": "avx512_bf16",
-                "AVX10_1_512": "avx512_bf16"}
+# The caps' values (upper case: ATen's default and avx2, oneDNN's ISA names) and the highest
+# level each leaves; any other value (ATen's avx512, oneDNN's AMX ones) caps nothing of ours.
+_CAPS = {"DEFAULT": "baseline", "SSE41": "baseline", "AVX": "baseline", "AVX2": "avx2",
+         "AVX2_VNNI": "avx2_vnni", "AVX2_VNNI_2": "avx2_vnni", "AVX512_CORE": "avx512",
+         "AVX512_CORE_VNNI": "avx512", "AVX512_CORE_BF16": "avx512_bf16",
+         "AVX512_CORE_FP16": "avx512_bf16", "AVX10_1_512": "avx512_bf16"}
 CAP_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 
 
@@ -47,13 +46,8 @@ def cpu_flags() -> frozenset[str]:
 def caps() -> dict[str, str]:
     """The ISA caps in force that bound nmt's levels: variable -> the highest level it
     leaves (a cap that leaves every level is not listed)."""
-    found = {}
-    for name in CAP_VARIABLES:
-        value = os.environ.get(name, "").upper()
-        table = _ATEN_CAPS if name == "ATEN_CPU_CAPABILITY" else _ONEDNN_CAPS
-        if value in table:
-            found[name] = table[value]
-    return found
+    values = {name: os.environ.get(name, "").upper() for name in CAP_VARIABLES}
+    return {name: _CAPS[value] for name, value in values.items() if value in _CAPS}
 
 
 def allowed(level: str) -> str | None:

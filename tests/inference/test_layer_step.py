@@ -21,7 +21,7 @@ from nmt.inference.layer_step import (
     additive_mask,
     attend_one,
     attention_weights,
-    encode,
+    encoder_layer,
     softmax_keys,
 )
 
@@ -53,7 +53,7 @@ def test_every_step_equals_the_teacher_forced_forward(path: str, dtype: torch.dt
     tgt = random_batch([9, 9, 9], seed=22, bos=True)
     want = model(src, tgt).float()  # (batch, tgt_len, vocab): the reference
     rtol, atol = TOLERANCE[dtype]
-    enc = encode(model, src)
+    enc = model.encode(src, layer_step=encoder_layer)
     torch.testing.assert_close(enc.states.float(), model.encode(src).states.float(),
                                rtol=rtol, atol=atol)
     state = init_state(model, enc)
