@@ -26,6 +26,7 @@ BEST_METRICS: dict[str, Literal["lower", "higher"]] = {
 LR_SCHEDULES: tuple[str, ...] = ("inverse_sqrt", "linear", "cosine", "wsd")
 DROPOUT_SCHEDULES: tuple[str, ...] = ("constant", "linear")
 FUSED_LOSS: tuple[str, ...] = ("auto", "on", "off")  # TrainConfig.fused_loss
+HALF_WEIGHTS: tuple[str, ...] = ("auto", "on", "off")  # TrainConfig.half_weights
 # Decoding also offers int8 (CPU only: int8 linear layers, see nmt/inference/int8_linear.py).
 DECODE_PRECISIONS: tuple[str, ...] = (*PRECISIONS, "int8")
 
@@ -168,7 +169,9 @@ class TrainConfig:
     clip_norm: float = _setting(0.0, "Clip the gradient norm; 0 = no clipping.")  # paper: 0
     label_smoothing: float = _setting(0.1, "epsilon_ls.")
     # Batching (section 5.1): ~25000 source + 25000 target tokens per update.
-    max_tokens: int = _setting(4096, "Tokens (padding included) per process per micro-batch.")
+    max_tokens: int = _setting(
+        4096, "Tokens (padding included) per process per micro-batch; 0 = from the GPU's "
+        "memory with --batch-tokens (up to the whole update in one micro-batch), else 4096.")
     update_freq: int = _setting(1, "Micro-batches accumulated per update.")
     batch_tokens: int | None = _setting(
         None, "Real tokens per side per update, (source + target) / 2 without padding "
@@ -181,9 +184,16 @@ class TrainConfig:
         "auto", "auto | on | off: project to the vocabulary chunk by chunk inside the loss "
         "(never the whole logits); auto = on for CUDA, off for a CPU.")
     compile: bool = _setting(
-        False, "torch.compile the model (dynamic shapes): fused kernels and fewer launches "
-        "per micro-batch, for a GPU that waits on the host; the first updates compile "
-        "(a minute or more).")
+        False, "torch.compile the model, batches padded to a few length buckets (one graph "
+        "each): fused kernels and fewer launches per micro-batch, for a GPU that waits on "
+        "the host; each bucket's first batch compiles (a minute or more in all).")
+    cuda_graphs: bool = _setting(
+        False, "With --compile: every shape static (rows padded too) and each bucket's step "
+        "replayed as a CUDA graph (torch.compile's reduce-overhead mode); CUDA only.")
+    half_weights: str = _setting(  # see HALF_WEIGHTS
+        "auto", "auto | on | off: with bf16, compute on a bf16 copy of the weights (fp32 "
+        "master weights in the optimizer, no autocast casts, the output matrix padded to a "
+        "multiple of 64 rows); auto = on for CUDA, off for a CPU.")
     max_len: int = _setting(
         256, "Skip training pairs with a side longer than this (tokens incl. EOS).")
     # auto: bf16 where native (Ampere+ GPU; a CPU where it also beats fp32), fp16 on older
@@ -223,13 +233,13 @@ class TrainConfig:
         if self.precision not in PRECISIONS:
             raise UsageError(f"unknown precision {self.precision!r}; "
                              f"choose one of: {', '.join(PRECISIONS)}")
-        _check_positive(self, ("warmup", "max_tokens", "update_freq", "max_len", "keep_last",
+        _check_positive(self, ("warmup", "update_freq", "max_len", "keep_last",
                                "valid_interval", "log_interval", "max_nonfinite_in_a_row",
                                "max_updates", "lr_scale", "adam_eps"))
         if self.batch_tokens is not None:
             _check_positive(self, ("batch_tokens",))
-        _check_non_negative(self, ("seed", "max_epochs", "max_minutes", "weight_decay",
-                                   "clip_norm", "save_interval_minutes",
+        _check_non_negative(self, ("max_tokens", "seed", "max_epochs", "max_minutes",
+                                   "weight_decay", "clip_norm", "save_interval_minutes",
                                    "save_interval_updates", "dropout_epochs"))
         _check_probability("adam_beta1", self.adam_beta1)
         _check_probability("adam_beta2", self.adam_beta2)
@@ -248,6 +258,11 @@ class TrainConfig:
             raise UsageError("--dropout-schedule linear changes the dropout rates every "
                              "update, which a compiled model would recompile for; use "
                              "--no-compile or --dropout-schedule constant")
+        if self.cuda_graphs and not self.compile:
+            raise UsageError("--cuda-graphs replays the compiled step: add --compile")
+        if self.half_weights not in HALF_WEIGHTS:
+            raise UsageError(f"unknown half-weights {self.half_weights!r}; choose one of: "
+                             f"{', '.join(HALF_WEIGHTS)}")
         if self.fused_loss not in FUSED_LOSS:
             raise UsageError(f"unknown fused-loss {self.fused_loss!r}; choose one of: "
                              f"{', '.join(FUSED_LOSS)}")

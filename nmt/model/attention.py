@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nmt.model.dropout import dropout
+from nmt.model.paths import cpu_path
 
 
 def xavier_chunks_(linear: nn.Linear, sizes: list[int], gain: float = 1.0) -> None:
@@ -44,8 +45,13 @@ QKV_GAIN = 2 ** -0.5
 
 
 def key_padding_mask(padding_mask: Tensor) -> Tensor:
-    """SDPA mask from a (batch, src_len) PAD mask: True where attention is allowed."""
-    return padding_mask.logical_not()[:, None, None, :]  # (batch, 1, 1, src_len)
+    """SDPA mask from a (batch, src_len) PAD mask: True where attention is allowed. The
+    first key is always allowed: a real row starts with a real token, and an all-PAD row
+    (the filler of a batch padded to a static shape, nmt/train/buckets.py) then attends to
+    a finite key instead of to none, whose softmax is NaN (its outputs are never used)."""
+    allowed = padding_mask.logical_not()  # (batch, src_len)
+    allowed[:, 0] = True
+    return allowed[:, None, None, :]  # (batch, 1, 1, src_len)
 
 
 class SelfAttention(nn.Module):
@@ -149,7 +155,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
     v's dtype): SDPA's CPU flash kernel has a high fixed cost at translation's short
     lengths, where the (t, s) scores written out are small.
     """
-    if q.device.type != "cpu":
+    if not cpu_path(q):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
                                               dropout_p=dropout_p, is_causal=is_causal)
     scores = masked_scores(q, k, attn_mask, is_causal)  # (b, heads, t, s)

@@ -4,7 +4,8 @@ On a CPU, drawing the mask is the costly part of dropout: `F.dropout` draws a fl
 element with `bernoulli_`. Here each 64-bit draw of torch's generator is cut into four
 16-bit uniforms and compared with p rounded to 1/65536, far cheaper than a float per
 element (docs/training.md). Inverted scaling as in F.dropout, by the rounded p, so the
-expectation is exact and inference needs nothing. Other devices use F.dropout.
+expectation is exact and inference needs nothing. Other devices use torch's fused dropout
+kernel (`native_dropout`, what F.dropout calls on CUDA).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from nmt.model.paths import cpu_path
+
 _LEVELS = 1 << 16  # 16-bit uniforms: p is rounded to a multiple of 1/65536
 
 
@@ -23,8 +26,10 @@ def dropout(x: Tensor, p: float, training: bool) -> Tensor:
     when `training`; `x` itself otherwise (or when p is 0)."""
     if not training or p == 0.0:
         return x
-    if x.device.type != "cpu" or p >= 1.0:
+    if p >= 1.0:
         return F.dropout(x, p, training)
+    if not cpu_path(x):  # what F.dropout runs on CUDA: one fused kernel each way
+        return torch.native_dropout(x, p, True)[0]
     keep, kept = keep_mask(x.shape, p, x.device)
     scale = keep.to(x.dtype).mul_(1.0 / kept)  # 0 or 1 / (1 - p), outside autograd
     return x * scale

@@ -19,6 +19,7 @@ import torch
 
 from nmt.data.batching import Batch, collate, epoch_order, shard
 from nmt.data.dataset import ParallelData
+from nmt.train.buckets import pad_to_bucket
 from nmt.train.distributed import DistEnv
 from nmt.train.loss import target_positions
 from nmt.train.sampling import EpochBatches
@@ -35,6 +36,30 @@ class Update:
     after: DataState
 
 
+@dataclass(frozen=True)
+class Shapes:
+    """How a compiled model gets its batches (nmt/train/buckets.py): padded to their length
+    bucket, and with `static_rows` also to the bucket's most rows, every position then
+    projected (no `select`: its length varies) with PAD targets ignored by the loss."""
+
+    micro_tokens: int
+    static_rows: bool
+
+    def prepare(self, batch: Batch, src_lens: np.ndarray, tgt_lens: np.ndarray,
+                device: torch.device) -> Micro:
+        """`batch` padded to its bucket and on `device`; always `has_pad` (one graph)."""
+        batch = pad_to_bucket(batch, self.micro_tokens if self.static_rows else None)
+        select = None
+        if not self.static_rows:
+            _, select = host_selection(src_lens, tgt_lens, batch.tgt_out.size(1))
+        micro = to_device(batch, True, select, device)
+        if not self.static_rows:  # one graph per bucket, whatever the rows (or 0/1 rows)
+            for t in (micro.batch.src, micro.batch.tgt_in, micro.select):
+                if t is not None:
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+        return micro
+
+
 @dataclass
 class Micro:
     """A micro-batch on the device, ready for the forward pass."""
@@ -49,10 +74,12 @@ class TrainFeed:
     """Updates of one process, from any data position on."""
 
     def __init__(self, data: ParallelData, batches: EpochBatches, env: DistEnv,
-                 update_freq: int, seed: int, max_epochs: int, device: torch.device) -> None:
+                 update_freq: int, seed: int, max_epochs: int, device: torch.device,
+                 shapes: Shapes | None = None) -> None:
         self.data, self.batches, self.env = data, batches, env
         self.update_freq, self.seed, self.max_epochs = update_freq, seed, max_epochs
         self.device = device
+        self.shapes = shapes  # None: each batch as collated
         self.src_cost = data.src.lengths + 1  # non-padding tokens incl. EOS, per pair
         self.tgt_cost = data.tgt.lengths + 1
         # The position after the last epoch, once `updates` has run through it.
@@ -82,6 +109,9 @@ class TrainFeed:
         target positions come from host-side lengths: no device sync."""
         batch = collate([self.data.src[i] for i in indices],
                         [self.data.tgt[i] for i in indices])
+        if self.shapes is not None:
+            return self.shapes.prepare(batch, self.src_cost[indices], self.tgt_cost[indices],
+                                       self.device)
         has_pad, select = host_selection(self.src_cost[indices], self.tgt_cost[indices],
                                          batch.tgt_out.size(1))
         return to_device(batch, has_pad, select, self.device)

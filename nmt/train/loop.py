@@ -14,6 +14,7 @@ reaches the weights. How and why: docs/training.md.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -30,16 +31,18 @@ from nmt.data.dataset import ParallelData, language_pair, load_vocab
 from nmt.errors import Preempted, TrainingAborted
 from nmt.host_memory import HUGE_PAGE_SETTING, heap_in_huge_pages
 from nmt.precision import precision_note
+from nmt.train import micro_batch
 from nmt.train.best import BestTracker
 from nmt.train.distributed import (
     broadcast_object,
     check_ranks_agree,
     data_parallel,
     fingerprint,
+    gather_objects,
     shutdown,
 )
 from nmt.train.ema import WeightAverage
-from nmt.train.feed import Micro, TrainFeed, Update
+from nmt.train.feed import Micro, Shapes, TrainFeed, Update
 from nmt.train.log import LogWindow, RunLog, TrainReporter, start_line
 from nmt.train.loss import fused_loss_enabled
 from nmt.train.preempt import PreemptionWatch
@@ -160,15 +163,25 @@ class Trainer:
         self.model_cfg = checked_model_config(model_cfg, train_cfg, len(self.vocab))
         self.train_data = ParallelData.open(self.data_dir, "train")
         self.valid_data = open_valid(self.data_dir)
+        built = build_model(self.model_cfg, train_cfg, self.device, self.env.rank)
+        self.model, self.optimizer, self.schedule = built.model, built.optimizer, built.schedule
+        self.scaler, self.precision = built.scaler, built.precision
+        self.notes: list[str] = []  # said once training starts (after the progress bar)
+        # bf16: the micro-batches compute on a bf16 copy, the fp32 model is the master.
+        self.half, self.compute = built.half, built.compute
+        # Output projection + loss chunked over rows, never the whole (rows, vocab) logits
+        # (auto: CUDA only, see fused_loss_enabled).
+        self.fused_loss = fused_loss_enabled(train_cfg.fused_loss, self.device)
+        self.loss_options = LossOptions(train_cfg.label_smoothing, self.model_cfg.pad_id,
+                                        fused=self.fused_loss, project=built.linear)
+        if train_cfg.max_tokens == 0:  # from the device's memory (nmt/train/micro_batch.py)
+            train_cfg = self.train_cfg = self._plan_max_tokens(train_cfg)
         # --batch-tokens: the shape for B real tokens per side per update, from the fill
         # this data's batches are measured to have (alike on every rank and every resume).
         self.batching = derive_batching(train_cfg, self.env.world_size,
                                         self.train_data.src.lengths,
                                         self.train_data.tgt.lengths)
         self.update_freq = self.batching.update_freq
-        built = build_model(self.model_cfg, train_cfg, self.device, self.env.rank)
-        self.model, self.optimizer, self.schedule = built.model, built.optimizer, built.schedule
-        self.scaler, self.precision = built.scaler, built.precision
         # Statistics to the host (flags to the device), at once or one update late; late,
         # the skip of a non-finite update is decided on the device.
         self.readback = Readback(self.device, deferred)
@@ -183,14 +196,8 @@ class Trainer:
         self.ema = WeightAverage(self.model, train_cfg.ema_decay) if train_cfg.ema_decay \
             else None
         self.best = BestTracker(train_cfg.best_metric, train_cfg.patience)
-        self.notes: list[str] = []  # said once training starts (after the progress bar)
         # Prepare the next update's batches on a thread while the GPU computes (CUDA only).
         self.prefetch = self.device.type == "cuda"
-        # Output projection + loss chunked over rows, never the whole (rows, vocab) logits
-        # (auto: CUDA only, see fused_loss_enabled).
-        self.fused_loss = fused_loss_enabled(train_cfg.fused_loss, self.device)
-        self.loss_options = LossOptions(train_cfg.label_smoothing, self.model_cfg.pad_id,
-                                        fused=self.fused_loss, project=built.linear)
         self.step = self.resumed_from = 0
         self.data_state = DataState()
         self.elapsed_before = 0.0
@@ -214,16 +221,22 @@ class Trainer:
                                              reset_optimizer)
             self.initialised_from = Path(init_from)
             self.notes.append(note)
-        self.net = data_parallel(self.model, self.env, self.device)
+        if self.half is not None:  # the master as resumed or initialised
+            self.half.refresh()
+        self.net = data_parallel(self.compute, self.env, self.device)
         if train_cfg.compile:
-            self.net = compiled(self.net)
+            self.net = compiled(self.net, cuda_graphs=train_cfg.cuda_graphs)
+            if train_cfg.cuda_graphs and self.device.type != "cuda":
+                self.notes.append("--cuda-graphs on a CPU: static shapes, no graphs")
         self.epoch_batches = epoch_batches(self.data_dir, self.train_data,
                                            self.batching.micro_tokens, train_cfg,
                                            self.env.world_size, self.data_state.epoch)
         self.dropout_factor = 1.0
         self._schedule_dropout()  # from the resumed progress (0 for a fresh run)
+        shapes = Shapes(self.batching.micro_tokens, train_cfg.cuda_graphs) \
+            if train_cfg.compile else None
         self.feed = TrainFeed(self.train_data, self.epoch_batches, self.env, self.update_freq,
-                              train_cfg.seed, train_cfg.max_epochs, self.device)
+                              train_cfg.seed, train_cfg.max_epochs, self.device, shapes)
         self.log = RunLog()  # rank 0 alone writes and reports
         if self.env.is_main:
             settings = {**{f"model.{k}": v for k, v in model_cfg.to_dict().items()},
@@ -231,6 +244,25 @@ class Trainer:
                         "world_size": self.env.world_size}
             self.log = open_logs(self.run_dir, self.step, progress, self.tensorboard,
                                  settings)
+
+    def _plan_max_tokens(self, cfg: TrainConfig) -> TrainConfig:
+        """`cfg` with --max-tokens 0 resolved: on CUDA with --batch-tokens, the cap the
+        device's memory holds (measured, the smallest over the ranks); else DEFAULT_TOKENS."""
+        tokens = micro_batch.DEFAULT_TOKENS
+        if self.device.type == "cuda" and cfg.batch_tokens:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            plan = micro_batch.plan_micro_tokens(
+                micro_batch.cuda_peak_of(self.model, self.compute, self.loss_options,
+                                         self.precision, self.half is not None, cfg.max_len,
+                                         self.device),
+                device_bytes=total,
+                static_bytes=micro_batch.static_bytes(
+                    self.model, None if self.half is None else self.compute, self.device),
+                ceiling=micro_batch.update_tokens(cfg.batch_tokens, self.env.world_size),
+                floor=cfg.max_len, is_oom=micro_batch.is_cuda_oom)
+            tokens = min(gather_objects(self.env, plan.micro_tokens))
+            self.notes.append(plan.describe())
+        return dataclasses.replace(cfg, max_tokens=tokens)
 
     def _schedule_dropout(self) -> None:
         """Set the model's dropout rates for the next update from --dropout-schedule and
@@ -241,6 +273,8 @@ class Trainer:
                                              self.schedule.progress, self._epochs_seen(),
                                              self.train_cfg.dropout_epochs)
         self.model.scale_dropout(self.dropout_factor)
+        if self.half is not None:
+            self.half.scale_dropout(self.dropout_factor)
 
     def _epochs_seen(self) -> float:
         """Epochs of training data this run's updates have taken so far."""
@@ -403,10 +437,11 @@ class Trainer:
         all_ids = np.concatenate(update.all_batches)
         tgt_tokens = int(self.feed.tgt_cost[all_ids].sum())
         src_tgt_tokens = tgt_tokens + int(self.feed.src_cost[all_ids].sum())
-        step = train_step(self.net, self.model, micro, tgt_tokens=tgt_tokens,
+        step = train_step(self.net, self.compute, micro, tgt_tokens=tgt_tokens,
                           optimizer=self.optimizer, scaler=self.scaler,
                           precision=self.precision, loss=self.loss_options,
-                          world_size=self.env.world_size, clip_norm=cfg.clip_norm)
+                          world_size=self.env.world_size, clip_norm=cfg.clip_norm,
+                          half=self.half)
         stats = torch.stack([step.loss_sum, step.nll_sum])
         if self.env.active:
             stats = torch.cat([stats, self.readback.flags_on_device(flags)])
@@ -426,6 +461,8 @@ class Trainer:
         else:
             assert launched.skip is not None
             self.device_skip.apply_update(self.optimizer, self.scaler, launched.skip)
+        if self.half is not None:  # the new weights into the bf16 copy
+            self.half.refresh()
 
     def _settle(self, launched: _Launched, run: _Run, rng: dict[str, Any] | None) -> bool:
         """The host's part of an update, in order: read its statistics; advance the

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from nmt.model.paths import cpu_path
+
 
 class _SmoothedCrossEntropy(torch.autograd.Function):
     """Per-row smoothed loss and NLL of (N, V) logits; rows with weight 0 are ignored.
@@ -49,7 +51,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         vocab = logits.size(-1)
         eps_i = epsilon / (vocab - 1)
         dtype = _compute_dtype(logits)
-        if logits.device.type != "cpu":  # one kernel, reading half-precision logits as is
+        if not cpu_path(logits):  # one kernel, reading half-precision logits as is
             lprobs = torch.log_softmax(logits, dim=-1, dtype=dtype)  # (N, V)
             smooth = lprobs.sum(-1) if epsilon != 0.0 else None  # (N,) sum_v log p_v
         else:
@@ -114,7 +116,7 @@ def _blocks(rows_by_vocab: Tensor) -> list[slice]:
     """Row slices of an (N, V) tensor: blocks of about CPU_BLOCK_BYTES of fp32 on a CPU,
     all rows at once elsewhere (a GPU streams the whole tensor in one kernel)."""
     n, vocab = rows_by_vocab.shape
-    if rows_by_vocab.device.type != "cpu":
+    if not cpu_path(rows_by_vocab):
         return [slice(0, n)]
     step = max(1, CPU_BLOCK_BYTES // (4 * vocab))
     return [slice(i, min(i + step, n)) for i in range(0, n, step)]
@@ -180,9 +182,8 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, features: Tensor, weight: Tensor, target: Tensor,
                 row_weight: Tensor | None, epsilon: float, chunk_rows: int,
-                dtype: torch.dtype, compiled: bool) -> tuple[Tensor, Tensor]:
+                dtype: torch.dtype, compiled: bool, vocab: int) -> tuple[Tensor, Tensor]:
         stats = _compiled()[0] if compiled else _chunk_stats
-        vocab = weight.size(0)
         eps_i = epsilon / (vocab - 1)
         stat = torch.promote_types(dtype, torch.float32)  # softmax statistics
         with _no_autocast(features):
@@ -193,11 +194,13 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
             nll = x.new_empty(rows, dtype=stat)  # (N,)
             smooth = None
             if eps_i:  # -sum_v log p_v = V * lse - sum_v z_v, and sum_v z_v = x . sum_v w_v
-                smooth = -(x.to(stat) @ w.sum(0, dtype=stat))  # (N,) without a (N, V) pass
+                # (N,) without a (N, V) pass; padded rows of w are zero
+                smooth = -(x.to(stat) @ w.sum(0, dtype=stat))
             for start in range(0, rows, chunk_rows):
                 end = min(start + chunk_rows, rows)
-                logits = x[start:end] @ w.t()  # (chunk, V) in the compute dtype
-                lse[start:end], gold = stats(logits, target[start:end])  # (chunk,) each
+                logits = x[start:end] @ w.t()  # (chunk, V_padded) in the compute dtype
+                # (chunk,) each, over the vocabulary's own columns
+                lse[start:end], gold = stats(logits[:, :vocab], target[start:end])
                 nll[start:end] = lse[start:end] - gold
             if smooth is not None:
                 smooth += vocab * lse
@@ -215,12 +218,14 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         ctx.coef = (1.0 - epsilon - eps_i, eps_i)
         ctx.chunk_rows = chunk_rows
         ctx.compiled = compiled
+        ctx.vocab = vocab
         ctx.dtypes = (features.dtype, weight.dtype)
         return loss, nll_sum
 
     @staticmethod
     def backward(ctx: Any, grad_loss: Tensor, grad_nll: Tensor
-                 ) -> tuple[Tensor | None, Tensor | None, None, None, None, None, None, None]:
+                 ) -> tuple[Tensor | None, Tensor | None, None, None, None, None, None, None,
+                            None]:
         x, w, target, row_weight, lse = ctx.saved_tensors
         logit_grad = _compiled()[1] if ctx.compiled else _chunk_grad_inplace
         gold, eps_i = ctx.coef
@@ -239,8 +244,10 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
             for start in range(0, rows, ctx.chunk_rows):
                 end = min(start + ctx.chunk_rows, rows)
                 s = scale[start:end, None]  # (chunk, 1)
-                logits = x[start:end] @ w.t()  # (chunk, V) again, in the compute dtype
+                logits = x[start:end] @ w.t()  # (chunk, V_padded) again, compute dtype
                 g = logit_grad(logits, lse[start:end], s, target[start:end], gold, eps_i)
+                if ctx.vocab < g.size(1):  # padded columns: never predicted, no gradient
+                    g[:, ctx.vocab:] = 0
                 if grad_x is not None and grad_x.dtype == g.dtype:
                     torch.mm(g, w, out=grad_x[start:end])  # (chunk, d)
                 elif grad_x is not None:
@@ -256,7 +263,7 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         if grad_w is not None:
             grad_w = grad_w.to(weight_dtype)
         # The NLL output is a detached statistic; its gradient is ignored, as in the reference.
-        return grad_x, grad_w, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None
 
 
 def _chunk_stats(logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
@@ -318,7 +325,8 @@ def matmul_dtype(features: Tensor, weight: Tensor) -> torch.dtype:
 def projected_smoothed_loss(features: Tensor, weight: Tensor, target: Tensor,
                             epsilon: float, pad_id: int | None = None,
                             chunk_rows: int = DEFAULT_CHUNK_ROWS,
-                            compiled: bool = False) -> tuple[Tensor, Tensor]:
+                            compiled: bool = False, vocab: int | None = None
+                            ) -> tuple[Tensor, Tensor]:
     """(smoothed loss sum, NLL sum) of the logits `features @ weight.T`, never built whole.
 
     Equal to `label_smoothed_nll(F.linear(features, weight), target, epsilon, pad_id)`
@@ -335,6 +343,10 @@ def projected_smoothed_loss(features: Tensor, weight: Tensor, target: Tensor,
     `compiled` runs each chunk's softmax statistics and logit gradient as torch.compile'd
     kernels (fused: the logits are read once and the gradient written once, in the compute
     dtype); the first call compiles them (seconds). The matmuls stay torch's.
+
+    `vocab`: the vocabulary's size where `weight` has more rows (padded to a multiple of
+    64 for the GPU's matmul tiles, zero): the logits of the rows past it are left out of
+    the softmax and get no gradient. None: every row of `weight` is a word.
     """
     if chunk_rows <= 0:
         raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
@@ -348,7 +360,8 @@ def projected_smoothed_loss(features: Tensor, weight: Tensor, target: Tensor,
         keep = flat_target.ne(pad_id).to(torch.promote_types(dtype, torch.float32))  # (N,)
     loss, nll = _ProjectedSmoothedCrossEntropy.apply(flat, weight, flat_target, keep,
                                                      float(epsilon), int(chunk_rows), dtype,
-                                                     bool(compiled))
+                                                     bool(compiled),
+                                                     weight.size(0) if vocab is None else vocab)
     return loss, nll.detach()
 
 

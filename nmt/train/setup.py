@@ -28,6 +28,7 @@ from nmt.host_memory import (
 from nmt.model.transformer import Transformer
 from nmt.precision import grad_scaler, resolve_precision
 from nmt.train.distributed import DistEnv, init_distributed
+from nmt.train.half import HalfWeights, use_half_weights
 from nmt.train.linears import Linear, choice, training_linear, use
 from nmt.train.log import (
     JsonlLog,
@@ -70,7 +71,7 @@ def checked_model_config(model_cfg: ModelConfig, cfg: TrainConfig, vocab_size: i
     if cfg.max_len > model_cfg.max_positions:
         raise UsageError(f"--max-len {cfg.max_len} exceeds --max-positions "
                          f"{model_cfg.max_positions}; lower one or raise the other")
-    if cfg.max_tokens < cfg.max_len:
+    if 0 < cfg.max_tokens < cfg.max_len:
         raise UsageError(f"--max-tokens {cfg.max_tokens} is below --max-len "
                          f"{cfg.max_len}: long pairs would never fit a batch")
     return model_cfg
@@ -108,6 +109,12 @@ class Model:
     scaler: torch.amp.GradScaler
     precision: str  # resolved: fp32, bf16 or fp16
     linear: Linear | None  # what its linear layers compute with (nmt/train/linears.py)
+    half: HalfWeights | None  # the bf16 copy that computes, `model` its master (or None)
+
+    @property
+    def compute(self) -> Transformer:
+        """The network the micro-batches run on."""
+        return self.model if self.half is None else self.half.model
 
 
 def buckets_rows(device: torch.device, precision: str) -> bool:
@@ -122,7 +129,8 @@ def build_model(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
     """The same initial weights on every rank (seeded by --seed), then each rank's own
     dropout stream; Adam, the schedule, the precision `auto` resolves to, the scaler, and
     the linear layers' function where the table picks another than PyTorch's (the output
-    projection's is the training step's: `LossOptions.project`)."""
+    projection's is the training step's: `LossOptions.project`); with --half-weights, the
+    bf16 copy that computes (nmt/train/half.py), whose linears on CUDA run `rows_linear`."""
     seed_everything(cfg.seed)
     model = Transformer(model_cfg).to(device)
     seed_everything(cfg.seed + rank)
@@ -133,8 +141,11 @@ def build_model(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
     linear = training_linear(device, precision)
     if linear is not None:
         use(model, linear)
+    half = None
+    if use_half_weights(cfg.half_weights, device, precision):
+        half = HalfWeights(model, pad_vocab=True, rows_linears=device.type == "cuda")
     return Model(model, optimizer, build_schedule(optimizer, model_cfg.d_model, cfg),
-                 grad_scaler(device, enabled=precision == "fp16"), precision, linear)
+                 grad_scaler(device, enabled=precision == "fp16"), precision, linear, half)
 
 
 def seed_everything(seed: int) -> None:

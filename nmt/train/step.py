@@ -28,6 +28,7 @@ from nmt.model.transformer import Transformer
 from nmt.precision import autocast
 from nmt.train.ema import WeightAverage
 from nmt.train.feed import Micro
+from nmt.train.half import HalfWeights
 from nmt.train.linears import Linear
 from nmt.train.loss import DEFAULT_CHUNK_ROWS, label_smoothed_nll, projected_smoothed_loss
 from nmt.train.schedule import Schedule, total_norm
@@ -59,20 +60,24 @@ class LossOptions:
     project: Linear | None = None
 
 
-# Graphs one compiled model may keep: one per combination of the forward's flags
-# (has_pad, select or not, project), lengths and row counts being dynamic.
-COMPILE_CACHE_SIZE = 16
+# Graphs one compiled model may keep: one per length bucket (nmt/train/buckets.py).
+COMPILE_CACHE_SIZE = 32
 
 
-def compiled(net: nn.Module) -> nn.Module:
-    """`net` (the model or its DDP wrapper) under torch.compile with dynamic shapes: every
-    batch has its own rows and lengths, and specialising on each would recompile at every
-    new shape. Parameters, state dict and DDP's `no_sync` stay those of `net`."""
+def compiled(net: nn.Module, cuda_graphs: bool = False) -> nn.Module:
+    """`net` (the model or its DDP wrapper) under torch.compile, specialised on each
+    length bucket its batches are padded to (the feed's `Shapes`): one graph per bucket,
+    rows dynamic; with `cuda_graphs` every shape is static and each bucket's step is
+    recorded once as a CUDA graph and replayed (torch.compile's reduce-overhead mode).
+    Lengths are never made dynamic behind our back: a new bucket is a new graph.
+    Parameters, state dict and DDP's `no_sync` stay those of `net`."""
     import torch._dynamo
 
     dynamo = torch._dynamo.config
     dynamo.cache_size_limit = max(dynamo.cache_size_limit, COMPILE_CACHE_SIZE)
-    return torch.compile(net, dynamic=True)
+    dynamo.automatic_dynamic_shapes = False
+    return torch.compile(net, mode="reduce-overhead" if cuda_graphs else None,
+                         dynamic=False if cuda_graphs else None)
 
 
 def micro_loss(net: nn.Module, model: Transformer, mb: Micro, opts: LossOptions
@@ -82,12 +87,16 @@ def micro_loss(net: nn.Module, model: Transformer, mb: Micro, opts: LossOptions
     own = opts.project is not None and not opts.fused
     out = net(mb.batch.src, mb.batch.tgt_in, has_pad=mb.has_pad, select=mb.select,
               project=not (opts.fused or own))
+    vocab = model.config.vocab_size  # the output matrix may have padded rows past it
     if opts.fused:  # out: decoder states (rows, d_model)
         return projected_smoothed_loss(out, model.output_weight, mb.target.reshape(-1),
                                        opts.label_smoothing, pad_id=opts.pad_id,
-                                       chunk_rows=opts.chunk_rows, compiled=opts.compiled)
+                                       chunk_rows=opts.chunk_rows, compiled=opts.compiled,
+                                       vocab=vocab)
     if own:  # decoder states (rows, d_model) -> logits (rows, vocab)
         out = opts.project(out, model.output_weight, None)
+    if out.size(-1) != vocab:
+        out = out[..., :vocab]  # (..., vocab): the padded rows' logits left out
     return label_smoothed_nll(out, mb.target, opts.label_smoothing, opts.pad_id)  # logits
 
 
@@ -95,7 +104,7 @@ def train_step(net: nn.Module, model: Transformer,
                micro: Iterable[Micro | Callable[[], Micro]], *, tgt_tokens: int,
                optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                precision: str, loss: LossOptions, world_size: int = 1,
-               clip_norm: float = 0.0) -> StepStats:
+               clip_norm: float = 0.0, half: HalfWeights | None = None) -> StepStats:
     """Forward and backward over the update's micro-batches (each a Micro, or a callable
     returning one: the feed collates lazily), gradients unscaled and measured (clipped to
     `clip_norm` when > 0). The optimizer is not stepped: see `apply_update` and
@@ -105,6 +114,9 @@ def train_step(net: nn.Module, model: Transformer,
     (world_size / all ranks' tokens is applied per token). With DDP (`net` a
     DistributedDataParallel and world_size > 1), gradients are all-reduced only with the
     last micro-batch's backward.
+
+    `half`: `model` is the bf16 copy of `half.master` (nmt/train/half.py): no autocast, and
+    the gradients are gathered into the master's, which are measured and clipped.
     """
     device = model.output_weight.device
     scale = world_size / tgt_tokens
@@ -118,13 +130,16 @@ def train_step(net: nn.Module, model: Transformer,
         last = i == len(items) - 1
         sync = net.no_sync() if ddp and not last else contextlib.nullcontext()
         with sync:
-            with autocast(device, precision):
+            with autocast(device, precision) if half is None else contextlib.nullcontext():
                 smoothed, nll = micro_loss(net, model, mb, loss)
             scaler.scale(smoothed * scale).backward()
         loss_sum += smoothed.detach()
         nll_sum += nll
+    if half is not None:
+        half.gather()
     scaler.unscale_(optimizer)
-    params = [p for p in model.parameters() if p.grad is not None]
+    master = model if half is None else half.master
+    params = [p for p in master.parameters() if p.grad is not None]
     if clip_norm > 0:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip_norm)
     else:

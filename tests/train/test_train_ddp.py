@@ -26,10 +26,11 @@ from nmt.train.loop import train
 MODEL = model_preset("tiny", dropout=0.0)  # ranks draw different dropout masks otherwise
 
 
-def _cfg(update_freq: int) -> TrainConfig:
+def _cfg(update_freq: int, half: bool = False) -> TrainConfig:
     return TrainConfig(max_updates=3, max_tokens=256, update_freq=update_freq, warmup=2,
                        max_len=32, log_interval=1, valid_interval=2, save_interval_minutes=0,
-                       seed=5, precision="fp32")
+                       seed=5, precision="bf16" if half else "fp32",
+                       half_weights="on" if half else "auto")
 
 
 def _free_port() -> int:
@@ -38,11 +39,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, data: str, run: str) -> None:
+def _worker(rank: int, world: int, port: int, data: str, run: str, half: bool = False
+            ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    train(data, run, MODEL, _cfg(update_freq=1), "cpu", progress=False)
+    train(data, run, MODEL, _cfg(update_freq=1, half=half), "cpu", progress=False)
 
 
 @pytest.mark.slow
@@ -66,6 +68,29 @@ def test_two_gloo_ranks_equal_one_process_with_update_freq_2(tmp_path):
     assert len(ddp["rng"]) == 2  # every rank's RNG state is kept
     for name, tensor in one["model"].items():
         torch.testing.assert_close(ddp["model"][name], tensor, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_on_a_bf16_copy_track_one_process(tmp_path):
+    """--half-weights under DDP: the bf16 copy is what DDP wraps (its gradients all-reduced
+    in bf16, then gathered into the fp32 master): the updates of 1 process with update-freq
+    2 to bf16 rounding, fp32 weights saved."""
+    data = make_copy_data(tmp_path / "data", n_train=200, n_valid=20)
+    mp.start_processes(_worker, args=(2, _free_port(), str(data), str(tmp_path / "ddp"), True),
+                       nprocs=2, join=True, start_method="spawn")
+    torch.set_num_threads(1)
+    train(data, tmp_path / "one", MODEL, _cfg(update_freq=2, half=True), "cpu",
+          progress=False)
+    ddp_log = read_jsonl(tmp_path / "ddp" / "train_log.jsonl")
+    one_log = read_jsonl(tmp_path / "one" / "train_log.jsonl")
+    for a, b in zip(ddp_log, one_log, strict=True):
+        key = "loss" if a["kind"] == "train" else "valid_loss"
+        assert a[key] == pytest.approx(b[key], rel=1e-2)
+    ddp = load_checkpoint(tmp_path / "ddp" / "checkpoint_last.pt")
+    one = load_checkpoint(tmp_path / "one" / "checkpoint_last.pt")
+    for name, tensor in one["model"].items():
+        assert ddp["model"][name].dtype == torch.float32
+        torch.testing.assert_close(ddp["model"][name], tensor, rtol=0.05, atol=2e-3)
 
 
 REPO = Path(__file__).resolve().parents[2]
