@@ -7,6 +7,7 @@ On the lent GPU machine (no network, its own Python and torch), from the checkou
     python3 bench/gpu_session.py --out $OUT/gs --work /tmp/gs                 # a, b
     python3 bench/gpu_session.py --out $OUT/gs --work /tmp/gs --only second   # c
     python3 bench/gpu_session.py --out $OUT/gs --work /tmp/gs --only third    # d, e
+    python3 bench/gpu_session.py --out $OUT/gs --work /tmp/gs --only levers  # the levers
     python3 bench/gpu_session.py --dry-run            # CPU, toy sizes: what CI runs
 
 A session lent 15 minutes of device time fits the first two back to back (about 7 + 5
@@ -60,7 +61,7 @@ PY = sys.executable
 # check 180 s + 75 s; the train group about 5 minutes): correctness, then training speed,
 # then decoding speed and quality.
 GROUPS = {"first": ["tests", "check"], "second": ["train"], "third": ["speed", "quality"]}
-STEPS = ("install", "tests", "check", "train", "speed", "quality")  # --only names
+STEPS = ("install", "tests", "check", "train", "speed", "quality", "levers")  # --only names
 
 
 @dataclass
@@ -142,6 +143,8 @@ def steps(only: list[str], dry: bool, work: Path, quality_minutes: float) -> lis
         plan.append(Step("train_base_1gpu_compile", [
             PY, "bench/gpu_train_speed.py", "--arch", "base", "--compile", *common],
             90 if not dry else 480))  # inductor's C++ build: 100-290 s on 2 cores
+    if "levers" in only:
+        plan += lever_steps(dry)
     if "speed" in only:
         speed = ["--smoke"] if dry else ["--random-arch", "base", "--precisions", "bf16,fp32"]
         plan.append(Step("speed", [PY, "bench/gpu_translate_speed.py", *speed], 150))
@@ -167,6 +170,36 @@ def steps(only: list[str], dry: bool, work: Path, quality_minutes: float) -> lis
                  str(shared_data() / "multi30k")], [*nmt, "bpe", str(data)]])
             script = f"{prep} && {script}"
         plan.append(Step("quality", ["bash", "-c", script], int(minutes * 60) + 120))
+    return plan
+
+
+def lever_steps(dry: bool) -> list[Step]:
+    """Issue 71's levers on base (the 1-GPU shape, reference loss: the H200 figures' run),
+    each on top of the one before, then big: autocast with fp32 weights (3 x 8,805), a bf16
+    copy with fp32 master weights, the micro-batch planned from the GPU's memory (the
+    update in one), compiled per length bucket, CUDA graphs; the compiled steps time the two
+    most common buckets (each bucket is a compile). About 6 minutes on an H200."""
+    common = ["--smoke"] if dry else ["--steps", "6", "--warmup", "2"]
+    half = ["--half-weights"]
+    planned = [*half, "--max-tokens", "1024" if dry else "0"]
+    graphs = ["--compile", "--max-buckets", "2"]
+    runs = [("levers_peak", None, 60),
+            ("levers_base_eager", [], 45), ("levers_base_half", half, 45),
+            ("levers_base_planned", planned, 60),
+            ("levers_base_graphs", [*planned, *graphs, "--cuda-graphs"], 120),
+            ("levers_big_planned", ["--arch", "big", *planned, "--loss", "fused"], 60),
+            ("levers_base_compile", [*planned, *graphs], 120),
+            ("levers_big_graphs", ["--arch", "big", *planned, "--loss", "fused", *graphs,
+                                   "--cuda-graphs"], 150),
+            ("levers_base_8gpu_graphs", ["--gpus", "8", *planned, *graphs, "--cuda-graphs"],
+             120)]
+    plan = []
+    for name, flags, cap in runs:
+        if flags is None:
+            plan.append(Step(name, [PY, "-c", PEAK_CODE, "256" if dry else "8192"], cap))
+            continue
+        plan.append(Step(name, [PY, "bench/gpu_train_speed.py", *common, *flags],
+                         max(cap, 300) if dry else cap))
     return plan
 
 
@@ -196,11 +229,12 @@ print(json.dumps({"matmul": f"{n}^3 bf16", "device": name, "torch": torch.__vers
 
 def measured_peak(out: Path) -> float | None:
     """The TFLOP/s the matmul_peak step printed (its log's last JSON line), else None."""
-    log = out / "matmul_peak.log"
-    for line in reversed(log.read_text(encoding="utf-8").splitlines() if log.is_file()
-                         else []):
-        if line.startswith("{"):
-            return float(json.loads(line)["tflops"]) or None
+    for name in ("matmul_peak", "levers_peak"):
+        log = out / f"{name}.log"
+        for line in reversed(log.read_text(encoding="utf-8").splitlines() if log.is_file()
+                             else []):
+            if line.startswith("{"):
+                return float(json.loads(line)["tflops"]) or None
     return None
 
 
@@ -236,7 +270,8 @@ def main() -> int:
                         help="CPU, toy sizes (GPU-only figures n/a): what CI runs")
     parser.add_argument("--only", default="first",
                         help="comma-separated steps or groups: " + ", ".join(STEPS[1:])
-                        + "; first = tests,check; second = train; third = speed,quality; or one "
+                        + "; first = tests,check; second = train; third = speed,quality; "
+                        "levers = issue 71's training levers (about 6 minutes); or one "
                         "step of a group by its name (check_other, train_big_8gpu, ...)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "gpu_session")
     parser.add_argument("--work", type=Path, default=None,
@@ -284,7 +319,7 @@ def main() -> int:
             continue
         step.cap_s = int(min(step.cap_s, left))
         peak = measured_peak(opts.out)
-        if step.name.startswith("train_") and peak and not opts.dry_run:
+        if step.name.startswith(("train_", "levers_b")) and peak and not opts.dry_run:
             step.argv += ["--peak-tflops", str(peak)]  # MFU against the measured peak
         results.append(run_step(step, opts.out, record))
     total = time.perf_counter() - visit_start

@@ -69,6 +69,7 @@ import json
 import math
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,7 @@ from torch import Tensor, nn
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 
 from nmt.config import TrainConfig, model_preset  # noqa: E402
 from nmt.data.batch_tokens import derive_batching  # noqa: E402
@@ -87,14 +89,23 @@ from nmt.data.recipes import load_recipe  # noqa: E402
 from nmt.device import allow_tf32, resolve_device  # noqa: E402
 from nmt.model.transformer import Transformer  # noqa: E402
 from nmt.precision import grad_scaler  # noqa: E402
-from nmt.train.feed import to_device  # noqa: E402
+from nmt.train import micro_batch  # noqa: E402
+from nmt.train.buckets import bucket_length  # noqa: E402
+from nmt.train.feed import Shapes, to_device  # noqa: E402
+from nmt.train.half import HalfWeights  # noqa: E402
 from nmt.train.loss import (  # noqa: E402
     DEFAULT_CHUNK_ROWS,
     fused_loss_enabled,
     target_positions,
 )
 from nmt.train.schedule import Schedule, build_optimizer, build_schedule  # noqa: E402
-from nmt.train.step import LossOptions, advance, apply_update, train_step  # noqa: E402
+from nmt.train.step import (  # noqa: E402
+    LossOptions,
+    advance,
+    apply_update,
+    compiled,
+    train_step,
+)
 
 # Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s, from NVIDIA's datasheets: H100
 # SXM 1,979 and H100 PCIe 1,513 "with sparsity" (H100 Tensor Core GPU datasheet), H200
@@ -237,7 +248,8 @@ def update_shape(opt: argparse.Namespace) -> tuple[int, int, float | None]:
 def train_update(micro: list[HostBatch], net: nn.Module, model: Transformer,
                  opt: argparse.Namespace, loss_name: str, device: torch.device,
                  precision: str, optimizer: torch.optim.Optimizer,
-                 scaler: torch.amp.GradScaler, schedule: Schedule) -> Tensor:
+                 scaler: torch.amp.GradScaler, schedule: Schedule,
+                 half: HalfWeights | None = None, shapes: Shapes | None = None) -> Tensor:
     """One update over `micro` through `train_step` and `apply_update` (what `nmt train`
     runs) with the loss `loss_name`; returns the mean token loss as a device scalar (no
     host sync: the update is applied as finite, the Trainer's check needs the sync this
@@ -245,12 +257,19 @@ def train_update(micro: list[HostBatch], net: nn.Module, model: Transformer,
     tokens = sum(int(hb.tgt_lens.sum()) for hb in micro)
     loss = LossOptions(LABEL_SMOOTHING, model.config.pad_id, fused=loss_name != "reference",
                        chunk_rows=opt.chunk_rows, compiled=loss_name == "fused-compiled")
-    on_device = [to_device(hb.batch, hb.has_pad,
-                           None if hb.select is None else torch.from_numpy(hb.select), device)
-                 for hb in micro]  # as the Trainer's feed hands them over
-    step = train_step(net, model, on_device, tgt_tokens=tokens,
-                      optimizer=optimizer, scaler=scaler, precision=precision, loss=loss)
+    if shapes is not None:  # --compile: padded to the length bucket, as the feed does
+        on_device = [shapes.prepare(hb.batch, hb.src_lens, hb.tgt_lens, device)
+                     for hb in micro]
+    else:
+        on_device = [to_device(hb.batch, hb.has_pad, None if hb.select is None
+                               else torch.from_numpy(hb.select), device)
+                     for hb in micro]  # as the Trainer's feed hands them over
+    compute = model if half is None else half.model
+    step = train_step(net, compute, on_device, tgt_tokens=tokens, optimizer=optimizer,
+                      scaler=scaler, precision=precision, loss=loss, half=half)
     apply_update(optimizer, scaler, finite=True)
+    if half is not None:
+        half.refresh()
     advance(schedule, None, finite=True)
     return step.loss_sum / tokens
 
@@ -351,16 +370,21 @@ def time_loss(opt: argparse.Namespace, loss_name: str, device: torch.device,
     optimizer = build_optimizer(model.parameters(), train_cfg, device)
     schedule = build_schedule(optimizer, cfg.d_model, train_cfg)
     scaler = grad_scaler(device, enabled=precision == "fp16")
-    net: nn.Module = model
-    if opt.compile:
-        net = torch.compile(net)
+    half = HalfWeights(model, pad_vocab=True, rows_linears=device.type == "cuda") \
+        if opt.half_weights and precision == "bf16" else None
+    net: nn.Module = model if half is None else half.model
+    shapes = None
+    if opt.compile:  # as nmt train --compile [--cuda-graphs]: per length bucket
+        net = compiled(net, cuda_graphs=opt.cuda_graphs)
+        shapes = Shapes(micro_tokens, static_rows=opt.cuda_graphs)
     # Warm-up: the --warmup updates, then the timed ones once, untimed: every batch shape
     # of the timed window has then run once with this loss, so first-time kernel set-up
     # (compilation; oneDNN primitives on a CPU, cuBLAS heuristics on CUDA) is not timed. It
     # would otherwise fall on whichever loss runs first (the CPU smoke: 2.5x its step time).
     warm_start = time.perf_counter()
     warm_losses = [train_update(micro, net, model, opt, loss_name, device, precision,
-                                optimizer, scaler, schedule) for micro in updates]
+                                optimizer, scaler, schedule, half, shapes)
+                   for micro in updates]
     sync(device)
     warm_seconds = time.perf_counter() - warm_start
     if device.type == "cuda":
@@ -372,7 +396,7 @@ def time_loss(opt: argparse.Namespace, loss_name: str, device: torch.device,
     start = time.perf_counter()
     for micro in timed:
         losses.append(train_update(micro, net, model, opt, loss_name, device, precision,
-                                   optimizer, scaler, schedule))
+                                   optimizer, scaler, schedule, half, shapes))
     sync(device)
     seconds = time.perf_counter() - start
     flat = [hb for micro in timed for hb in micro]
@@ -396,7 +420,8 @@ def time_loss(opt: argparse.Namespace, loss_name: str, device: torch.device,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "precision": precision, "loss": loss_name,
         "chunk_rows": None if loss_name == "reference" else opt.chunk_rows,
-        "compile": opt.compile, "vocab": opt.vocab, "max_tokens": opt.max_tokens,
+        "compile": opt.compile, "cuda_graphs": opt.compile and opt.cuda_graphs,
+        "half_weights": half is not None, "vocab": opt.vocab, "max_tokens": opt.max_tokens,
         "gpus": opt.gpus, "batch_tokens": None if opt.update_freq else opt.batch_tokens,
         "micro_tokens": micro_tokens,
         "update_freq": update_freq, "warmup_updates": len(updates), "updates": len(timed),
@@ -421,7 +446,7 @@ def time_loss(opt: argparse.Namespace, loss_name: str, device: torch.device,
     if opt.profile:
         result["profile"] = profile_updates(timed[:2], lambda micro: train_update(
             micro, net, model, opt, loss_name, device, precision, optimizer, scaler,
-            schedule), device)
+            schedule, half, shapes), device)
     if device.type == "cuda":
         result["peak_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
         result["peak_memory_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2 ** 30
@@ -470,15 +495,64 @@ def compare(results: list[dict], device: torch.device) -> dict:
     }
 
 
+def in_common_buckets(batches: list[HostBatch], keep: int, count: int) -> list[HostBatch]:
+    """The first `count` of `batches` whose length bucket (nmt/train/buckets.py) is among
+    the `keep` most common: a compiled run's warm-up then compiles `keep` graphs, not one
+    per bucket of the WMT-like lengths (the GPU session's time)."""
+    def bucket(hb: HostBatch) -> int:
+        return bucket_length(max(hb.batch.src.size(1), hb.batch.tgt_in.size(1)))
+
+    common = [b for b, _ in Counter(bucket(hb) for hb in batches).most_common(keep)]
+    kept = [hb for hb in batches if bucket(hb) in common]
+    return (kept * (count // max(1, len(kept)) + 1))[:count]
+
+
+def plan_max_tokens(opt: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """--max-tokens 0: `nmt train`'s micro-batch plan (nmt/train/micro_batch.py) for this
+    arch, loss and weights on `device`: measured on CUDA, DEFAULT_TOKENS elsewhere."""
+    if device.type != "cuda":
+        return {"micro_tokens": micro_batch.DEFAULT_TOKENS, "measured": False}
+    cfg = model_preset(opt.arch, vocab_size=opt.vocab)
+    model = Transformer(cfg).to(device)
+    half = HalfWeights(model, pad_vocab=True, rows_linears=True) \
+        if opt.half_weights and opt.precision == "bf16" else None
+    compute = model if half is None else half.model
+    loss = LossOptions(LABEL_SMOOTHING, cfg.pad_id, fused=opt.losses[0] != "reference",
+                       chunk_rows=opt.chunk_rows)
+    try:
+        plan = micro_batch.plan_micro_tokens(
+            micro_batch.cuda_peak_of(model, compute, loss, opt.precision, half is not None,
+                                     MAX_LEN, device),
+            device_bytes=torch.cuda.get_device_properties(device).total_memory,
+            static_bytes=micro_batch.static_bytes(model, None if half is None else compute,
+                                                  device),
+            ceiling=micro_batch.update_tokens(opt.batch_tokens, opt.gpus), floor=MAX_LEN,
+            is_oom=micro_batch.is_cuda_oom)
+    finally:
+        del model, compute, half
+        release(device, False)
+    return {"micro_tokens": plan.micro_tokens, "measured": True,
+            "bytes_per_token": plan.bytes_per_token, "static_bytes": plan.static_bytes,
+            "device_bytes": plan.device_bytes, "note": plan.describe()}
+
+
 def run(opt: argparse.Namespace) -> dict:
     """Build the batches once, time each loss of `opt.losses` on them, return the figures
     (one loss: its own; several: `compare`'s)."""
     device = resolve_device(opt.device)
     if opt.precision == "fp32":
         allow_tf32(device)
+    plan = None
+    if opt.max_tokens == 0:  # as nmt train --max-tokens 0: planned from the GPU's memory
+        plan = plan_max_tokens(opt, device)
+        opt.max_tokens = plan["micro_tokens"]
     update_freq, micro_tokens, fill = update_shape(opt)
-    batches = make_batches((opt.warmup + opt.steps) * update_freq, micro_tokens, opt.vocab,
-                           opt.seed)
+    batches = make_batches((opt.warmup + opt.steps) * update_freq * (4 if opt.max_buckets
+                                                                     else 1),
+                           micro_tokens, opt.vocab, opt.seed)
+    if opt.max_buckets:  # the batches of the most common length buckets alone
+        batches = in_common_buckets(batches, opt.max_buckets,
+                                    (opt.warmup + opt.steps) * update_freq)
     if device.type == "cuda":
         for hb in batches:
             hb.batch = Batch(hb.batch.src.pin_memory(), hb.batch.tgt_in.pin_memory(),
@@ -489,6 +563,8 @@ def run(opt: argparse.Namespace) -> dict:
     for name in opt.losses:
         results.append(time_loss(opt, name, device, updates, update_freq, micro_tokens))
         results[-1]["fill"] = fill  # real tokens per side per micro-batch / micro_tokens
+        results[-1]["micro_batch_plan"] = plan
+        results[-1]["max_buckets"] = opt.max_buckets
         release(device, opt.compile)
     return results[0] if len(results) == 1 else compare(results, device)
 
@@ -561,7 +637,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5,
                         help="untimed first updates (the timed ones also run once untimed "
                         "before they are timed)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the model as nmt train --compile does: batches "
+                        "padded to length buckets, one graph per bucket")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="with --compile: static shapes, each bucket's step replayed as "
+                        "a CUDA graph (nmt train --cuda-graphs)")
+    parser.add_argument("--max-buckets", type=int, default=0,
+                        help="time only batches of the K most common length buckets (a "
+                        "compiled run then compiles K graphs: the GPU session's time); 0: all")
+    parser.add_argument("--half-weights", action="store_true",
+                        help="bf16: compute on a bf16 copy with fp32 master weights, the "
+                        "output matrix padded to 64 rows, transposed linear weights on CUDA "
+                        "(nmt train's default on CUDA); else fp32 weights under autocast")
     parser.add_argument("--loss", default="reference",
                         help="reference | fused | fused-compiled, a comma-separated list of "
                         "them, both (reference,fused) or all: several are timed one after "
@@ -574,9 +662,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="rows per chunk of the fused loss")
     parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    parser.add_argument("--max-tokens", type=int, default=int(recipe["max_tokens"]),
-                        help="cap on padded tokens per micro-batch per GPU (the WMT "
-                        "recipe's)")
+    parser.add_argument("--max-tokens", type=int, default=12500,
+                        help="cap on padded tokens per micro-batch per GPU (12,500: what the "
+                        "H200 figures ran with); 0: planned from the GPU's memory, as the "
+                        "WMT recipes' nmt train does")
     parser.add_argument("--batch-tokens", type=int, default=int(recipe["batch_tokens"]),
                         help="real tokens per side per update over all GPUs; update-freq "
                         "and tokens per micro-batch derived for --gpus")
@@ -590,6 +679,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true",
                         help="run the timed updates once more under torch.profiler: device "
                         "busy fraction, kernel launches, top kernels")
+    parser.add_argument("--count-ops", action="store_true",
+                        help="count, on the CPU along the GPU's code path, the ops base and "
+                        "big dispatch per micro-batch for each lever, compiled graphs and "
+                        "breaks, and the planned micro-batch on 80 GB and 141 GB GPUs "
+                        "(bench/_count_ops.py); nothing is timed")
+    parser.add_argument("--json-out", type=Path, default=None,
+                        help="with --count-ops: also write the counts there (the input of "
+                        "bench/gpu_model.py)")
+    parser.add_argument("--no-compile-count", action="store_true",
+                        help="with --count-ops: leave out the compiled levers (minutes)")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU, tiny model, vocab 1000, max-tokens 1024, batch-tokens "
                         "2048, 1+2 updates per loss")
@@ -626,10 +725,29 @@ def loss_list(text: str) -> list[str]:
     return names
 
 
+def count_ops(opt: argparse.Namespace) -> None:
+    """--count-ops: the tables, --json-out, and the JSON line."""
+    import _count_ops
+
+    archs = ["tiny"] if opt.smoke else (["base", "big"] if opt.arch == "base" else [opt.arch])
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    result = _count_ops.run(archs, opt.vocab, opt.batch_tokens, opt.max_tokens,
+                            not opt.no_compile_count, lambda line: print(line, flush=True))
+    _count_ops.print_tables(result)
+    if opt.json_out is not None:
+        opt.json_out.write_text(json.dumps(result))
+    from nmt.doctor import report as machine
+    print(json.dumps({"bench": "gpu_train_speed_count_ops", **result,
+                      "doctor": machine(measure=False)}))
+
+
 def main() -> None:
     """Parse the flags, time, print each loss's table (and the comparison), then the JSON
     line."""
     opt = parse_args()
+    if opt.count_ops:
+        count_ops(opt)
+        return
     result = run(opt)
     if "by_loss" in result:
         for name in result["losses"]:

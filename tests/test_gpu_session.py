@@ -80,3 +80,15 @@ def test_budget_skips_what_does_not_fit_and_bad_only_is_refused(tmp_path):
         ("tests", None, "out of --budget-s"), ("speed", None, "out of --budget-s")]
     bad = _session(tmp_path, "--only", "tests,warp")
     assert bad.returncode == 2 and "--only: unknown warp" in bad.stderr
+
+
+@pytest.mark.slow
+def test_dry_run_of_the_levers(tmp_path):
+    """--only levers (issue 71's GPU run) in its dry run: every step runs on the CPU."""
+    result = _session(tmp_path, "--dry-run", "--only", "levers", "--budget-s", "1500",
+                      timeout=1600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    names = [s["step"] for s in report["steps"] if s["step"] != "install"]
+    assert names[0] == "levers_peak" and "levers_base_graphs" in names
+    assert all(s["rc"] == 0 for s in report["steps"])
