@@ -58,6 +58,17 @@ DEVICES_GIB = {"80 GB (H100)": 80e9, "141 GB (H200)": 141e9}
 # (docs/performance.md, 2026-11-27): the calibration of the saved-bytes estimate.
 H200_BASE_PEAK_GIB = 6.09
 H200_BASE_TOKENS = 8805
+# What the code the H200 ran (d590941: layers on (batch, len, d_model), a view on either
+# side of each linear, fp32 weights under bf16 autocast, reference loss) dispatched, counted
+# with this counter along the GPU's path on 2026-12-05, per 1-GPU and 8-GPU update: the
+# records bench/gpu_model.py calibrates on ("as-measured"), since the eager records count
+# today's network.
+AS_MEASURED = {"1gpu": {"host_ops_per_micro": 2189, "views_per_micro": 1200,
+                        "host_ops_per_update": 6576, "kernels_per_update": 2976,
+                        "bytes_per_update": 111854998544.5},
+               "8gpu": {"host_ops_per_micro": 2189, "views_per_micro": 1200,
+                        "host_ops_per_update": 2198, "kernels_per_update": 998,
+                        "bytes_per_update": 14952115597.1}}
 
 
 class OpCounter(TorchDispatchMode):
@@ -326,6 +337,10 @@ def count_arch(arch: str, vocab: int, shapes: dict[str, tuple[int, int]],
                 "saved_bytes_per_token": (b.saved_bytes - a.saved_bytes) / (large - small),
                 "top_ops": b.by_op if cls == "eager" else None,
             })
+    if arch == "base":  # the calibration's records: what the H200 ran
+        for r in [r for r in records if r["lever"] == "eager"]:
+            records.append({**r, **AS_MEASURED[r["shape"]], "lever": "as-measured",
+                            "top_ops": None})
     if compiled is not None:
         for r in records:
             r["compiled_graphs"] = compiled["graphs"]

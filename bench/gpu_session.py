@@ -178,12 +178,14 @@ def lever_steps(dry: bool) -> list[Step]:
     each on top of the one before, then big: autocast with fp32 weights (3 x 8,805), a bf16
     copy with fp32 master weights, the micro-batch planned from the GPU's memory (the
     update in one), compiled per length bucket, CUDA graphs; the compiled steps time the two
-    most common buckets (each bucket is a compile). About 6 minutes on an H200."""
+    most common buckets (each bucket is a compile); first, which SDPA kernel runs the
+    padding-masked and the causal attention, and that an all-PAD row stays finite. About 6
+    minutes on an H200."""
     common = ["--smoke"] if dry else ["--steps", "6", "--warmup", "2"]
     half = ["--half-weights"]
     planned = [*half, "--max-tokens", "1024" if dry else "0"]
     graphs = ["--compile", "--max-buckets", "2"]
-    runs = [("levers_peak", None, 60),
+    runs = [("levers_peak", None, 60), ("levers_sdpa", None, 45),
             ("levers_base_eager", [], 45), ("levers_base_half", half, 45),
             ("levers_base_planned", planned, 60),
             ("levers_base_graphs", [*planned, *graphs, "--cuda-graphs"], 120),
@@ -195,6 +197,9 @@ def lever_steps(dry: bool) -> list[Step]:
              120)]
     plan = []
     for name, flags, cap in runs:
+        if flags is None and name == "levers_sdpa":
+            plan.append(Step(name, [PY, "-c", SDPA_CODE], cap))
+            continue
         if flags is None:
             plan.append(Step(name, [PY, "-c", PEAK_CODE, "256" if dry else "8192"], cap))
             continue
@@ -224,6 +229,41 @@ seconds = (time.perf_counter() - start) / reps
 name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
 print(json.dumps({"matmul": f"{n}^3 bf16", "device": name, "torch": torch.__version__,
                   "cuda": torch.version.cuda, "tflops": round(2 * n ** 3 / seconds / 1e12, 1)}))
+"""
+
+
+# Which SDPA kernel runs training's attention on this device (bf16, base's heads, WMT-like
+# length): the encoder's and cross-attention's boolean padding mask (the model's own,
+# key_padding_mask) and the decoder's is_causal, forward and backward, named from the
+# profiler's kernels; and whether an all-PAD row (a padded batch's filler) stays finite.
+SDPA_CODE = """
+import json, torch
+import torch.nn.functional as F
+from nmt.model.attention import key_padding_mask
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+dt = torch.bfloat16
+b, h, n, d = 64, 8, 40, 64
+pad = torch.zeros(b, n, dtype=torch.bool, device=dev)
+pad[1, 30:] = True
+pad[2, :] = True  # an all-PAD filler row
+mask = key_padding_mask(pad)
+q, k, v = (torch.randn(b, h, n, d, device=dev, dtype=dt, requires_grad=True)
+           for _ in range(3))
+report = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+          "torch": torch.__version__, "cuda": torch.version.cuda}
+for name, kw in (("padding_mask", {"attn_mask": mask}), ("causal", {"is_causal": True})):
+    with torch.profiler.profile() as prof:
+        out = F.scaled_dot_product_attention(q, k, v, **kw)  # the presets: no attention dropout
+        out.float().sum().backward()
+    names = sorted({e.name for e in prof.events()
+                    if any(t in e.name.lower() for t in ("flash", "efficient", "fmha",
+                                                          "cudnn", "sdp", "attention"))})
+    report[name] = {"kernels": names[:8], "finite": bool(torch.isfinite(out).all()),
+                    "grads_finite": all(bool(torch.isfinite(t.grad).all())
+                                        for t in (q, k, v))}
+    for t in (q, k, v):
+        t.grad = None
+print(json.dumps(report))
 """
 
 

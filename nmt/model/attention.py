@@ -7,7 +7,10 @@ decoding incrementally, nmt/inference/layer_step.py). On GPU, SDPA picks its
 flash/memory-efficient kernels; on CPU the softmax is written out: SDPA's CPU flash kernel
 has a high fixed cost at the short lengths of translation. Masks are boolean with SDPA's
 meaning (True = may attend) and are built once per forward by the caller, never per layer.
-Tensors are batch-first.
+Tensors are batch-first. A full-sequence pass carries each layer's input as rows (batch *
+len, d_model) with the batch size beside it, so each linear layer takes it as it is and the
+heads are split with one view and one permute (`heads`): every view saved is an op fewer
+for a GPU's host to dispatch (docs/training.md, "GPU training").
 """
 
 from __future__ import annotations
@@ -44,6 +47,38 @@ def xavier_chunks_(linear: nn.Linear, sizes: list[int], gain: float = 1.0) -> No
 QKV_GAIN = 2 ** -0.5
 
 
+def as_rows(x: Tensor, batch: int | None) -> tuple[Tensor, int]:
+    """`x` as rows (batch * len, d) and the batch size: x (batch, len, d), or x already as
+    rows with `batch` given. The network carries rows from layer to layer, so its linear
+    layers take them as they are (no view on either side of each)."""
+    if x.dim() == 2:
+        assert batch is not None, "rows need their batch size"
+        return x, batch
+    return x.reshape(-1, x.size(-1)), x.size(0)  # (batch * len, d)
+
+
+def shaped_like(rows: Tensor, x: Tensor) -> Tensor:
+    """`rows` (n, d) in the shape of the input `x` they came from: themselves for rows (no
+    op), else viewed as (batch, len, d)."""
+    return rows if x.dim() == 2 else rows.view(*x.shape[:-1], rows.size(-1))
+
+
+def heads(t: Tensor, batch: int, parts: int, count: int) -> tuple[Tensor, ...]:
+    """`parts` projections side by side in `t` (batch * len, parts * count * d), each as
+    (batch, count heads, len, d): one view and one permute whatever `parts`."""
+    d = t.size(-1) // (parts * count)
+    if parts == 1:
+        return (t.view(batch, -1, count, d).transpose(1, 2),)  # (batch, heads, len, d)
+    split = t.view(batch, -1, parts, count, d)  # (batch, len, parts, heads, d)
+    return split.permute(2, 0, 3, 1, 4).unbind(0)  # parts x (batch, heads, len, d)
+
+
+def merge_heads(context: Tensor) -> Tensor:
+    """(batch, heads, len, d_v) -> rows (batch * len, heads * d_v), heads side by side."""
+    batch, count, length, d = context.shape
+    return context.transpose(1, 2).reshape(batch * length, count * d)
+
+
 def key_padding_mask(padding_mask: Tensor) -> Tensor:
     """SDPA mask from a (batch, src_len) PAD mask: True where attention is allowed. The
     first key is always allowed: a real row starts with a real token, and an all-PAD row
@@ -72,32 +107,29 @@ class SelfAttention(nn.Module):
         xavier_chunks_(self.qkv, self.sizes, QKV_GAIN)
         xavier_chunks_(self.out, [self.out.out_features])
 
-    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Q, K, V of `x` (batch, len, d_model), each (batch, heads, len, d)."""
-        batch, length, _ = x.shape
-        q, k, v = self.qkv(x).split(self.sizes, dim=-1)  # each (batch, len, heads*d)
-        q = q.view(batch, length, self.heads, self.d_k).transpose(1, 2)  # (batch, heads, len, d_k)
-        k = k.view(batch, length, self.heads, self.d_k).transpose(1, 2)  # (batch, heads, len, d_k)
-        v = v.view(batch, length, self.heads, self.d_v).transpose(1, 2)  # (batch, heads, len, d_v)
-        return q, k, v
+    def project(self, rows: Tensor, batch: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Q, K, V of `rows` (batch * len, d_model), each (batch, heads, len, d)."""
+        qkv = self.qkv(rows)  # (batch * len, (2 d_k + d_v) heads)
+        if self.d_k == self.d_v:  # one view and one permute for all three
+            q, k, v = heads(qkv, batch, 3, self.heads)
+            return q, k, v
+        q, k, v = qkv.split(self.sizes, dim=-1)  # each (batch * len, heads*d)
+        return (heads(q, batch, 1, self.heads)[0], heads(k, batch, 1, self.heads)[0],
+                heads(v, batch, 1, self.heads)[0])
 
-    def merge(self, context: Tensor) -> Tensor:
-        """Concatenate heads of (batch, heads, len, d_v) and apply W^O."""
-        batch, _, length, _ = context.shape
-        context = context.transpose(1, 2).reshape(batch, length, -1)  # (batch, len, heads*d_v)
-        return self.out(context)  # (batch, len, d_model)
-
-    def forward(self, x: Tensor, attn_mask: Tensor | None = None,
-                is_causal: bool = False) -> Tensor:
-        """Attend over the whole sequence `x` (batch, len, d_model).
+    def forward(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False,
+                batch: int | None = None) -> Tensor:
+        """Attend over whole sequences: `x` (batch, len, d_model), or its rows (batch *
+        len, d_model) with `batch`; the result has x's shape.
 
         `attn_mask` is None (no padding) or a boolean mask broadcastable to
         (batch, heads, len, len); `is_causal` hides later positions without a mask tensor.
         """
-        q, k, v = self.project(x)
+        rows, batch = as_rows(x, batch)
+        q, k, v = self.project(rows, batch)
         drop = self.dropout if self.training else 0.0
         context = attend(q, k, v, attn_mask, is_causal, drop)  # (batch, heads, len, d_v)
-        return self.merge(context)
+        return shaped_like(self.out(merge_heads(context)), x)
 
 
 @functools.lru_cache(maxsize=16)
@@ -186,23 +218,24 @@ class CrossAttention(nn.Module):
         xavier_chunks_(self.kv, self.kv_sizes, QKV_GAIN)
         xavier_chunks_(self.out, [self.out.out_features])
 
-    def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+    def project_kv(self, memory: Tensor, batch: int | None = None) -> tuple[Tensor, Tensor]:
         """K (batch, heads, src_len, d_k) and V (batch, heads, src_len, d_v) of the encoder
-        output `memory` (batch, src_len, d_model)."""
-        batch, length, _ = memory.shape
-        k, v = self.kv(memory).split(self.kv_sizes, dim=-1)  # each (batch, src_len, heads*d)
-        k = k.view(batch, length, self.heads, self.d_k).transpose(1, 2)  # (b, heads, S, d_k)
-        v = v.view(batch, length, self.heads, self.d_v).transpose(1, 2)  # (b, heads, S, d_v)
-        return k, v
+        output `memory` (batch, src_len, d_model), or of its rows with `batch`."""
+        rows, batch = as_rows(memory, batch)
+        kv = self.kv(rows)  # (batch * src_len, heads * (d_k + d_v))
+        if self.d_k == self.d_v:
+            k, v = heads(kv, batch, 2, self.heads)
+            return k, v
+        k, v = kv.split(self.kv_sizes, dim=-1)  # each (batch * src_len, heads*d)
+        return heads(k, batch, 1, self.heads)[0], heads(v, batch, 1, self.heads)[0]
 
-    def forward(self, x: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None
-                ) -> Tensor:
-        """Attend from `x` (batch, tgt_len, d_model) over projected encoder K/V; `attn_mask`
-        is None or (batch, 1, 1, src_len) boolean (True = real token)."""
-        batch, length, _ = x.shape
-        q = self.q(x).view(batch, length, self.heads, self.d_k)  # (batch, tgt_len, heads, d_k)
-        q = q.transpose(1, 2)  # (batch, heads, tgt_len, d_k)
+    def forward(self, x: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
+                batch: int | None = None) -> Tensor:
+        """Attend from `x` (batch, tgt_len, d_model), or its rows with `batch`, over
+        projected encoder K/V; `attn_mask` is None or (batch, 1, 1, src_len) boolean (True
+        = real token). The result has x's shape."""
+        rows, batch = as_rows(x, batch)
+        q = heads(self.q(rows), batch, 1, self.heads)[0]  # (batch, heads, tgt_len, d_k)
         drop = self.dropout if self.training else 0.0
         context = attend(q, k, v, attn_mask, dropout_p=drop)  # (batch, heads, tgt, d_v)
-        context = context.transpose(1, 2).reshape(batch, length, -1)  # (batch, tgt, heads*d_v)
-        return self.out(context)
+        return shaped_like(self.out(merge_heads(context)), x)

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from nmt.config import ModelConfig
 from nmt.errors import UsageError
-from nmt.model.attention import CrossAttention, SelfAttention, xavier_chunks_
+from nmt.model.attention import CrossAttention, SelfAttention, shaped_like, xavier_chunks_
 from nmt.model.dropout import dropout
 
 
@@ -83,10 +83,10 @@ class FeedForward(nn.Module):
         Runs on the rows flattened to 2-D: fc1's output is then the addmm's own tensor, not
         a view of it, so the in-place ReLU costs autograd no copies (on a 3-D view, its
         backward rebuilds the base with a clone and slice copies of the (rows, d_ff) hidden)."""
-        rows = x.reshape(-1, x.size(-1))  # (rows, d_model); a view when x is contiguous
+        rows = x if x.dim() == 2 else x.reshape(-1, x.size(-1))  # (rows, d_model)
         hidden = F.relu(self.fc1(rows), inplace=True)  # (rows, d_ff); in place: no new buffer
         hidden = dropout(hidden, self.activation_dropout, self.training)
-        return self.fc2(hidden).view(*x.shape[:-1], -1)  # (..., d_model)
+        return shaped_like(self.fc2(hidden), x)  # (..., d_model)
 
 
 class Residual(nn.Module):
@@ -119,9 +119,12 @@ class EncoderLayer(nn.Module):
         self.res_attn = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm)
         self.res_ffn = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm)
 
-    def forward(self, x: Tensor, attn_mask: Tensor | None) -> Tensor:
-        """`x` (batch, src_len, d_model); `attn_mask` None or (batch, 1, 1, src_len)."""
-        x = self.res_attn.after(x, self.self_attn(self.res_attn.before(x), attn_mask))
+    def forward(self, x: Tensor, attn_mask: Tensor | None, batch: int | None = None
+                ) -> Tensor:
+        """`x` (batch, src_len, d_model), or its rows with `batch`; `attn_mask` None or
+        (batch, 1, 1, src_len)."""
+        attended = self.self_attn(self.res_attn.before(x), attn_mask, batch=batch)
+        x = self.res_attn.after(x, attended)
         return self.res_ffn.after(x, self.ffn(self.res_ffn.before(x)))
 
 
@@ -139,14 +142,16 @@ class DecoderLayer(nn.Module):
         self.res_ffn = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm)
 
     def forward(self, x: Tensor, cross_k: Tensor, cross_v: Tensor,
-                cross_mask: Tensor | None) -> Tensor:
-        """Full-sequence pass over `x` (batch, tgt_len, d_model).
+                cross_mask: Tensor | None, batch: int | None = None) -> Tensor:
+        """Full-sequence pass over `x` (batch, tgt_len, d_model), or its rows with `batch`.
 
         Targets are right-padded, so the causal mask alone keeps every real position away
         from padding (pads only ever follow it); is_causal=True applies it, no mask tensor.
         """
-        x = self.res_self.after(x, self.self_attn(self.res_self.before(x), is_causal=True))
-        cross = self.cross_attn(self.res_cross.before(x), cross_k, cross_v, cross_mask)
+        attended = self.self_attn(self.res_self.before(x), is_causal=True, batch=batch)
+        x = self.res_self.after(x, attended)
+        cross = self.cross_attn(self.res_cross.before(x), cross_k, cross_v, cross_mask,
+                                batch=batch)
         x = self.res_cross.after(x, cross)
         return self.res_ffn.after(x, self.ffn(self.res_ffn.before(x)))
 

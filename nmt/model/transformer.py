@@ -8,7 +8,8 @@ and is skipped entirely when the batch has no padding; the decoder's causal mask
 padding costs one host sync per `encode()` unless the caller passes `has_pad` (the training
 loop may pass True to avoid it on GPU). Training uses `forward(..., select=rows)`, which
 projects only the non-padding target positions to the vocabulary (`decode_features` +
-`logits` do the same outside DistributedDataParallel).
+`logits` do the same outside DistributedDataParallel). Between layers the states are rows,
+(batch * len, d_model) (nmt/model/attention.py, `as_rows`).
 
 Incremental decoding (one target position at a time over a key/value cache, for search)
 lives in nmt/inference/ (decoding.py, layer_step.py); it runs the same modules one position a
@@ -119,8 +120,15 @@ class Transformer(nn.Module):
         # (batch, 1, 1, src_len) or None, shared by every encoder layer
         mask = key_padding_mask(padding_mask) if has_pad else None
         x = self.embed_tokens(src, self.enc_positions(src.size(1)))  # (batch, src_len, d_model)
-        for layer in self.encoder:
-            x = layer(x, mask) if layer_step is None else layer_step(layer, x, mask)
+        if layer_step is None:  # rows from layer to layer (nmt/model/attention.py, as_rows)
+            batch = src.size(0)
+            rows = x.view(-1, x.size(-1))  # (batch * src_len, d_model)
+            for layer in self.encoder:
+                rows = layer(rows, mask, batch)
+            x = rows.view_as(x)
+        else:
+            for layer in self.encoder:
+                x = layer_step(layer, x, mask)
         if self.enc_norm is not None:
             x = self.enc_norm(x)
         return EncoderOutput(states=x, padding_mask=padding_mask, has_pad=has_pad)
@@ -133,14 +141,21 @@ class Transformer(nn.Module):
     def decode_features(self, tgt_in: Tensor, enc: EncoderOutput) -> Tensor:
         """Final decoder states (batch, tgt_len, d_model) before the output projection,
         so a loss can project only the non-padding positions with `logits()`."""
+        return self.decoder_rows(tgt_in, enc).view(*tgt_in.shape, -1)
+
+    def decoder_rows(self, tgt_in: Tensor, enc: EncoderOutput) -> Tensor:
+        """`decode_features` as rows, (batch * tgt_len, d_model)."""
         mask = enc.attn_mask()
+        batch = tgt_in.size(0)
         x = self.embed_tokens(tgt_in, self.dec_positions(tgt_in.size(1)))  # (batch, tgt, d_model)
+        rows = x.view(-1, x.size(-1))  # (batch * tgt_len, d_model)
+        memory = enc.states.view(-1, enc.states.size(-1))  # (batch * src_len, d_model)
         for layer in self.decoder:
-            cross_k, cross_v = layer.cross_attn.project_kv(enc.states)
-            x = layer(x, cross_k, cross_v, mask)
+            cross_k, cross_v = layer.cross_attn.project_kv(memory, batch)
+            rows = layer(rows, cross_k, cross_v, mask, batch)
         if self.dec_norm is not None:
-            x = self.dec_norm(x)
-        return x
+            rows = self.dec_norm(rows)
+        return rows
 
     def logits(self, features: Tensor) -> Tensor:
         """Output projection with the shared embedding matrix: (..., d_model) -> (..., vocab),
@@ -162,7 +177,6 @@ class Transformer(nn.Module):
         enc = self.encode(src, has_pad=has_pad)
         if select is None and project:
             return self.decode(tgt_in, enc)
-        features = self.decode_features(tgt_in, enc)  # (batch, tgt_len, d_model)
-        flat = features.reshape(-1, features.size(-1))  # (batch * tgt_len, d_model)
+        flat = self.decoder_rows(tgt_in, enc)  # (batch * tgt_len, d_model)
         rows = flat if select is None else flat.index_select(0, select)  # (n, d_model)
         return self.logits(rows) if project else rows  # (n, vocab) or (n, d_model)
