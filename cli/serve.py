@@ -1,5 +1,6 @@
 """`nmt serve -m MODEL [-m NAME=MODEL ...]`: translation over HTTP (LibreTranslate's API
-and a native one), lines of concurrent requests batched together; needs nmt[serve]."""
+and a native one), lines of concurrent requests batched together, and a page at `/` to try
+the models in a browser (`--no-page`: none); needs nmt[serve]."""
 
 from __future__ import annotations
 
@@ -59,6 +60,9 @@ def command(
                                   "one (api_key, or Authorization: Bearer KEY), else 403."),
     cors_origin: str = typer.Option(None, "--cors-origin", show_default="CORS off",
                                     help="Origin allowed to call from a browser."),
+    page: bool = typer.Option(True, "--page/--no-page", show_default=True,
+                              help="Serve a page to try the models at / (the API is the "
+                              "same either way)."),
 ) -> None:
     """Serve models over HTTP until SIGTERM or Ctrl-C (then finish what is in flight and
     exit 0). Ready when it prints its URL: every model is loaded."""
@@ -91,14 +95,15 @@ def command(
         if plan.note:
             console.print(f"nmt serve: {plan.note}", markup=False, soft_wrap=True)
         served = load_models(models, limits, device, precision, plan.threads, plan.workers)
-        app = build_app(served, limits, keys, cors_origin)
+        app = build_app(served, limits, keys, cors_origin, page)
         url = f"http://{host}:{port}"
         for model in served:
             console.print(f"nmt serve: {model.name} ({model.source} -> {model.target}, "
                           f"{model.translator.precision} on {model.translator.device}) from "
                           f"{model.translator.paths[0]}", markup=False, soft_wrap=True)
         first = served[0]
-        console.print(f"nmt serve: ready on {url}  (try: curl -s {url}/translate -H "
+        browse = "open it in a browser, or " if page else ""
+        console.print(f"nmt serve: ready on {url}  ({browse}try: curl -s {url}/translate -H "
                       f"'Content-Type: application/json' -d '{{\"q\": \"Hello\", "
                       f"\"source\": \"{first.source}\", \"target\": \"{first.target}\"}}')",
                       markup=False, soft_wrap=True)

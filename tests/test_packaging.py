@@ -1,4 +1,5 @@
-"""A wheel built from this tree ships the recipes and the C kernels built for every ISA level:
+"""A wheel built from this tree ships the recipes, the serve page and the C kernels built for
+every ISA level:
 `nmt prep --list` works, and the kernels load and compute what the editable install's do, in
 an install with no source tree beside it and no compiler on the machine. Offline: no build
 isolation, no dependencies fetched; the new environment borrows torch & co. from the running
@@ -75,6 +76,8 @@ def test_a_wheel_runs_its_kernels_where_no_compiler_is(tmp_path: Path) -> None:
                  "print(recipes.__file__)", cwd=tmp_path)
     assert where.returncode == 0, where.stderr
     assert all(line.startswith(str(site)) for line in where.stdout.split()), where.stdout
+    page = site / "nmt" / "serve" / "page"  # nmt serve's page at / (package data)
+    assert {p.name for p in page.iterdir()} >= {"index.html", "page.css", "page.js"}
     listed = _run(venv / "bin" / "nmt", "prep", "--list", cwd=tmp_path)
     assert listed.returncode == 0, listed.stderr
     assert [line.split("\t")[0] for line in listed.stdout.splitlines()] == recipe_names()

@@ -3,7 +3,9 @@
 LibreTranslate-compatible, so its clients work unchanged: `POST /translate` (JSON or
 form-encoded: q as a string or a list, source, target, format, alternatives, api_key) ->
 {"translatedText": ...} mirroring q; `GET /languages`. Native, for what that API cannot
-say: `POST /v1/translate`, `POST /v1/score`, `GET /v1/models`, `GET /health`. Errors are
+say: `POST /v1/translate`, `POST /v1/score`, `GET /v1/models`, `GET /v1/limits`,
+`GET /health`. `GET /` is a page to try the models in a browser (nmt/serve/page/, a client
+of these same endpoints; off with build_app(page=False)). Errors are
 {"error": "..."} with LibreTranslate's status codes (400 bad request, 403 key, 413 too
 large, 503 queue full with Retry-After, 500 a failure of ours, logged with its traceback);
 the server goes on answering. The translation work is the Python API's, batched across
@@ -20,6 +22,7 @@ import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import fields
+from importlib import resources
 from typing import Any, get_type_hints
 from urllib.parse import parse_qs
 
@@ -74,8 +77,9 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 
 def build_app(models: Sequence[ServedModel], limits: Limits, api_keys: Sequence[str] = (),
-              cors_origin: str | None = None) -> Starlette:
-    """The ASGI app over loaded `models`; `api_keys` non-empty makes a key mandatory."""
+              cors_origin: str | None = None, page: bool = True) -> Starlette:
+    """The ASGI app over loaded `models`; `api_keys` non-empty makes a key mandatory;
+    `page` serves the page to try them at `/` (else `/` is a 404, as any unknown path)."""
     state = _Server(list(models), limits, [k.encode("utf-8") for k in api_keys])
 
     @asynccontextmanager
@@ -92,8 +96,11 @@ def build_app(models: Sequence[ServedModel], limits: Limits, api_keys: Sequence[
         Route("/v1/translate", _guard(state, state.native_translate), methods=["POST"]),
         Route("/v1/score", _guard(state, state.native_score), methods=["POST"]),
         Route("/v1/models", _guard(state, state.model_list, keyed=False), methods=["GET"]),
+        Route("/v1/limits", _guard(state, state.limit_list, keyed=False), methods=["GET"]),
         Route("/health", _guard(state, state.health, keyed=False), methods=["GET"]),
     ]
+    if page:
+        routes += _page_routes()
     middleware = []
     if cors_origin:
         middleware.append(Middleware(CORSMiddleware, allow_origins=[cors_origin],
@@ -101,6 +108,43 @@ def build_app(models: Sequence[ServedModel], limits: Limits, api_keys: Sequence[
                                      allow_headers=["Content-Type", "Authorization"]))
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                      exception_handlers={HTTPException: _http_error})
+
+
+# The page's files (nmt/serve/page/, package data) and the type each is served as.
+PAGE_FILES = {"index.html": "text/html; charset=utf-8", "page.css": "text/css; charset=utf-8",
+              "page.js": "text/javascript; charset=utf-8"}
+# The page's headers: its script and styles from this server only (no inline script, no
+# style attributes, no other origin), never framed; its types as sent (no sniffing).
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; "
+                               "img-src 'self' data:; connect-src 'self'; base-uri 'none'; "
+                               "form-action 'self'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",  # revalidated: a new nmt's page is seen at once
+}
+
+
+def _page_routes() -> list[Route]:
+    """`GET /` (index.html) and `GET /page/NAME` for the page's other files, read once here
+    from the installed package (so a wheel serves them too); other names are a 404."""
+    folder = resources.files("nmt.serve") / "page"
+    files = {name: (folder / name).read_bytes() for name in PAGE_FILES}
+
+    def respond(name: str) -> Response:
+        return Response(files[name], media_type=PAGE_FILES[name], headers=PAGE_HEADERS)
+
+    async def index(_request: Request) -> Response:
+        return respond("index.html")
+
+    async def static(request: Request) -> Response:
+        name = request.path_params["name"]
+        if name not in files or name == "index.html":
+            raise HTTPException(404, f"no page file {name!r}")
+        return respond(name)
+
+    return [Route("/", index, methods=["GET"]),
+            Route("/page/{name}", static, methods=["GET"])]
 
 
 class _Json(JSONResponse):
@@ -371,6 +415,13 @@ class _Server:
 
     async def model_list(self, _request: Request, _params: dict[str, Any]) -> Any:
         return [model.info() for model in self.models]
+
+    async def limit_list(self, _request: Request, _params: dict[str, Any]) -> Any:
+        """What one request may hold and whether it needs a key: a client (the page) can
+        warn before the server refuses."""
+        return {"max_chars": self.limits.max_chars, "max_lines": self.limits.max_lines,
+                "max_body_bytes": self.limits.max_body_bytes,
+                "api_key_required": bool(self.keys)}
 
     async def health(self, _request: Request, _params: dict[str, Any]) -> Any:
         return {"status": "ok", "models": [m.name for m in self.models],

@@ -11,6 +11,7 @@ sys.path, as for conftest; a subprocess that imports them needs tests/ on PYTHON
   make_copy_data, train_one_thread) and the fault tests' run settings (MODEL_FLAGS,
   FAST_FLAGS and their configs).
 - wmt.py: WMT14 and Multi30k mirror archives and recipe copies for the prep tests.
+- serving.py: a real `nmt serve` on a free port with HTTP helpers (Server, free_port).
 - native.py: code run where no kernel library was built (without_kernels): the C
   kernels' fallback.
 
