@@ -160,7 +160,8 @@ def test_count_ops_smoke_counts_each_lever_and_feeds_the_gpu_model(tmp_path):
 
 
 @pytest.mark.parametrize("flags", [["--half-weights"],
-                                   ["--half-weights", "--compile", "--cuda-graphs"]])
+                                   ["--half-weights", "--compile", "--cuda-graphs",
+                                    "--max-buckets", "1"]])
 def test_train_speed_smoke_levers(flags):
     """The levers as the GPU session times them: a bf16 copy (and compiled, static shapes);
     the first update's loss equals autocast's within bf16 noise."""
@@ -168,5 +169,6 @@ def test_train_speed_smoke_levers(flags):
     report = _run(["bench/gpu_train_speed.py", "--smoke", "--precision", "bf16", *flags])
     assert report["half_weights"] and report["finite"]
     assert report["cuda_graphs"] == ("--cuda-graphs" in flags)
+    assert report["max_buckets"] == (1 if "--max-buckets" in flags else 0)
     assert report["loss_per_token_first_update"] == pytest.approx(
         base["loss_per_token_first_update"], abs=0.02)
