@@ -135,20 +135,19 @@ def test_train_speed_shapes_and_loss_lists_without_running(monkeypatch):
 def test_count_ops_smoke_counts_each_lever_and_feeds_the_gpu_model(tmp_path):
     """--count-ops on the tiny model (the GPU's code path, on the CPU): a bf16 copy leaves
     no autocast weight cast, each lever dispatches no more per update than the one before
-    it, one compiled graph with no break; bench/gpu_model.py reads its JSON."""
+    it; bench/gpu_model.py reads its JSON. (Its compiled levers are left out: a compile
+    costs CI half a minute, and tests/train/test_buckets.py counts the graphs and breaks.)"""
     counts = tmp_path / "counts.json"
-    report = _run(["bench/gpu_train_speed.py", "--smoke", "--count-ops", "--json-out",
-                   str(counts)])
+    report = _run(["bench/gpu_train_speed.py", "--smoke", "--count-ops", "--no-compile-count",
+                   "--json-out", str(counts)])
     assert report["bench"] == "gpu_train_speed_count_ops"
     by = {(r["shape"], r["lever"]): r for r in report["records"]}
     eager, half = by[("1gpu", "eager")], by[("1gpu", "bf16-weights")]
     assert eager["weight_casts_per_micro"] > 0 and half["weight_casts_per_micro"] == 0
-    levers = ["eager", "bf16-weights", "padded-vocab", "rows-linear", "one-micro", "compile",
-              "cuda-graphs"]
+    levers = ["eager", "bf16-weights", "padded-vocab", "rows-linear", "one-micro"]
     hosts = [by[("1gpu", lever)]["host_ops_per_update"] for lever in levers]
     assert all(b <= a * 1.01 for a, b in itertools.pairwise(hosts)), hosts
-    assert by[("1gpu", "compile")]["compiled_graphs"] == 1
-    assert by[("1gpu", "compile")]["graph_breaks"] == 0
+    assert ("1gpu", "compile") not in by
     assert report["micro_batch_plans"] and json.loads(counts.read_text())["records"]
     # The model needs base's eager records to calibrate on: tiny's are refused ...
     result = subprocess.run([sys.executable, "bench/gpu_model.py", str(counts)], cwd=REPO,
