@@ -26,12 +26,13 @@ from __future__ import annotations
 import collections
 import math
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nmt.config import TrainConfig, model_preset
@@ -73,10 +74,11 @@ AS_MEASURED = {"1gpu": {"host_ops_per_micro": 2189, "views_per_micro": 1200,
 
 class OpCounter(TorchDispatchMode):
     """Counts the aten ops dispatched within it, by kind, and the bytes non-matmul ops
-    read and write."""
+    read and write; a cast of one of `weights` (parameter tensors) counts as a weight cast."""
 
-    def __init__(self) -> None:
+    def __init__(self, weights: tuple[Tensor, ...] = ()) -> None:
         super().__init__()
+        self.weights = {id(w) for w in weights}
         self.ops: collections.Counter[str] = collections.Counter()
         self.views = 0
         self.casts = 0
@@ -93,10 +95,7 @@ class OpCounter(TorchDispatchMode):
             return out
         if name == "_to_copy":
             self.casts += 1
-            src = args[0]
-            if isinstance(src, Tensor) and src.dtype == torch.float32 and src.dim() >= 1 \
-                    and isinstance(src, nn.Parameter | Tensor) and getattr(
-                        src, "_is_param", False):
+            if id(args[0]) in self.weights:
                 self.weight_casts += 1
         if name not in MATMULS:
             self.bytes += sum(t.nbytes for t in _tensors(args, kwargs, out))
@@ -153,19 +152,17 @@ def count_micro(model: Transformer, compute: Transformer, half: HalfWeights | No
                 micro: Micro, loss: LossOptions) -> Counted:
     """Counts of one micro-batch's forward and backward on `compute` (bf16 autocast unless
     it is `half`'s copy), the GPU's code path."""
-    for p in model.parameters():
-        p._is_param = True  # type: ignore[attr-defined]
     saved = [0]
 
     def pack(t: Tensor) -> Tensor:
         saved[0] += t.nbytes
         return t
 
-    counter = OpCounter()
+    counter = OpCounter(tuple(model.parameters()))
     compute.train()
 
     def run() -> None:
-        with autocast(torch.device("cpu"), "bf16") if half is None else _null():
+        with autocast(torch.device("cpu"), "bf16") if half is None else nullcontext():
             smoothed, _ = micro_loss(compute, compute, micro, loss)
         smoothed.backward()
         for p in list(compute.parameters()) + list(model.parameters()):
@@ -179,14 +176,6 @@ def count_micro(model: Transformer, compute: Transformer, half: HalfWeights | No
     matmuls = sum(n for k, n in counter.ops.items() if k in MATMULS)
     return Counted(counter.total, counter.views, counter.casts, counter.weight_casts, matmuls,
                    counter.bytes, saved[0], dict(counter.ops.most_common(12)))
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def count_step(model: Transformer, half: HalfWeights | None) -> int:
@@ -228,7 +217,7 @@ def compiled_calls(compute: Transformer, micro: Micro, loss: LossOptions, half: 
     inductor.cpp.enable_kernel_profile = True  # each generated kernel a profiler event
     inductor.fx_graph_cache = False  # a cached graph would come without them
     net = torch.compile(compute, dynamic=False)
-    ctx = autocast(torch.device("cpu"), "bf16") if not half else _null()
+    ctx = autocast(torch.device("cpu"), "bf16") if not half else nullcontext()
     with cuda_paths():
         for _ in range(2):  # the first call compiles
             with ctx:

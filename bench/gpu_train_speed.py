@@ -520,14 +520,8 @@ def plan_max_tokens(opt: argparse.Namespace, device: torch.device) -> dict[str, 
     loss = LossOptions(LABEL_SMOOTHING, cfg.pad_id, fused=opt.losses[0] != "reference",
                        chunk_rows=opt.chunk_rows)
     try:
-        plan = micro_batch.plan_micro_tokens(
-            micro_batch.cuda_peak_of(model, compute, loss, opt.precision, half is not None,
-                                     MAX_LEN, device),
-            device_bytes=torch.cuda.get_device_properties(device).total_memory,
-            static_bytes=micro_batch.static_bytes(model, None if half is None else compute,
-                                                  device),
-            ceiling=micro_batch.update_tokens(opt.batch_tokens, opt.gpus), floor=MAX_LEN,
-            is_oom=micro_batch.is_cuda_oom)
+        plan = micro_batch.plan_on_cuda(model, compute, loss, opt.precision, half is not None,
+                                        MAX_LEN, opt.batch_tokens, opt.gpus, device)
     finally:
         del model, compute, half
         release(device, False)

@@ -250,16 +250,10 @@ class Trainer:
         device's memory holds (measured, the smallest over the ranks); else DEFAULT_TOKENS."""
         tokens = micro_batch.DEFAULT_TOKENS
         if self.device.type == "cuda" and cfg.batch_tokens:
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            plan = micro_batch.plan_micro_tokens(
-                micro_batch.cuda_peak_of(self.model, self.compute, self.loss_options,
-                                         self.precision, self.half is not None, cfg.max_len,
-                                         self.device),
-                device_bytes=total,
-                static_bytes=micro_batch.static_bytes(
-                    self.model, None if self.half is None else self.compute, self.device),
-                ceiling=micro_batch.update_tokens(cfg.batch_tokens, self.env.world_size),
-                floor=cfg.max_len, is_oom=micro_batch.is_cuda_oom)
+            plan = micro_batch.plan_on_cuda(self.model, self.compute, self.loss_options,
+                                            self.precision, self.half is not None,
+                                            cfg.max_len, cfg.batch_tokens,
+                                            self.env.world_size, self.device)
             tokens = min(gather_objects(self.env, plan.micro_tokens))
             self.notes.append(plan.describe())
         return dataclasses.replace(cfg, max_tokens=tokens)

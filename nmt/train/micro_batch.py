@@ -90,6 +90,19 @@ def plan_micro_tokens(peak_of: Callable[[int], int], *, device_bytes: int,
     return Plan(cap, per_token, static_bytes, device_bytes)
 
 
+def plan_on_cuda(model: torch.nn.Module, compute: Transformer, loss: LossOptions,
+                 precision: str, half: bool, max_len: int, batch_tokens: int,
+                 world_size: int, device: torch.device) -> Plan:
+    """`plan_micro_tokens` on a CUDA device for training `compute` (a bf16 copy of `model`
+    where `half`, else `model` itself) with `loss`: one process's share of a `batch_tokens`
+    update at most, one pair of `max_len` at least."""
+    return plan_micro_tokens(
+        cuda_peak_of(model, compute, loss, precision, half, max_len, device),
+        device_bytes=torch.cuda.get_device_properties(device).total_memory,
+        static_bytes=static_bytes(model, compute if half else None, device),
+        ceiling=update_tokens(batch_tokens, world_size), floor=max_len, is_oom=is_cuda_oom)
+
+
 def cuda_peak_of(model: torch.nn.Module, compute: Transformer, loss: LossOptions,
                  precision: str, half: bool, max_len: int, device: torch.device
                  ) -> Callable[[int], int]:
