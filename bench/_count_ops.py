@@ -148,10 +148,21 @@ def synthetic_micro(rows: int, length: int, vocab: int, device: torch.device,
                      device)
 
 
+def backward(loss_: Tensor, half: HalfWeights | None, ddp: bool) -> None:
+    """A micro-batch's backward as `train_step` runs it: on the bf16 copy in one process,
+    straight into the fp32 buffers (`HalfWeights.backward`); under DDP, or without a copy,
+    into `.grad` (autograd's accumulation node per parameter)."""
+    if half is not None and not ddp:
+        half.backward(loss_)
+    else:
+        loss_.backward()
+
+
 def count_micro(model: Transformer, compute: Transformer, half: HalfWeights | None,
-                micro: Micro, loss: LossOptions) -> Counted:
+                micro: Micro, loss: LossOptions, ddp: bool = False) -> Counted:
     """Counts of one micro-batch's forward and backward on `compute` (bf16 autocast unless
-    it is `half`'s copy), the GPU's code path."""
+    it is `half`'s copy), the GPU's code path, in one process or under DDP (`ddp`: its
+    all-reduce hooks apart), in the steady state (gradient buffers made)."""
     saved = [0]
 
     def pack(t: Tensor) -> Tensor:
@@ -164,11 +175,14 @@ def count_micro(model: Transformer, compute: Transformer, half: HalfWeights | No
     def run() -> None:
         with autocast(torch.device("cpu"), "bf16") if half is None else nullcontext():
             smoothed, _ = micro_loss(compute, compute, micro, loss)
-        smoothed.backward()
+        backward(smoothed, half, ddp)
+        if half is not None:
+            half.gather()  # no ops: the update's end (count_step)
         for p in list(compute.parameters()) + list(model.parameters()):
             p.grad = None
 
     with cuda_paths():
+        run()  # the buffers made, as after an update's first micro-batch
         with counter:
             run()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -201,55 +215,66 @@ def count_step(model: Transformer, half: HalfWeights | None) -> int:
     return counter.total
 
 
-def compiled_calls(compute: Transformer, micro: Micro, loss: LossOptions, half: bool,
+def compiled_calls(half: HalfWeights, micro: Micro, loss: LossOptions,
                    debug: bool = False) -> dict[str, Any]:
-    """Compile `compute` for the micro-batch's bucket on the CPU backend and count, with
+    """Compile `half`'s copy for the micro-batch's bucket on the CPU backend and count, with
     the profiler, what one compiled forward and backward calls: generated kernels and
-    extern ops; also Dynamo's graphs and graph breaks."""
+    extern ops, in one process (`top_level_aten`) and with DDP's backward into `.grad`
+    (`top_level_aten_ddp`); also Dynamo's graphs and graph breaks."""
     import torch._dynamo
     import torch._inductor.config as inductor
     from torch._dynamo.utils import counters
     from torch._inductor import metrics
 
+    compute = half.model
     torch._dynamo.reset()
     counters.clear()
     metrics.reset()
     inductor.cpp.enable_kernel_profile = True  # each generated kernel a profiler event
     inductor.fx_graph_cache = False  # a cached graph would come without them
     net = torch.compile(compute, dynamic=False)
-    ctx = autocast(torch.device("cpu"), "bf16") if not half else nullcontext()
+
+    def clear() -> None:  # as at an update's first micro-batch: gradients stolen, not added
+        half.gather()
+        for p in list(compute.parameters()) + list(half.master.parameters()):
+            p.grad = None
+
     with cuda_paths():
         for _ in range(2):  # the first call compiles
-            with ctx:
-                smoothed, _ = micro_loss(net, compute, micro, loss)
-            smoothed.backward()
+            smoothed, _ = micro_loss(net, compute, micro, loss)
+            backward(smoothed, half, ddp=False)
+            clear()
         graphs = int(counters["stats"]["unique_graphs"])
         breaks = sum(counters["graph_break"].values())
         generated = int(metrics.generated_kernel_count)  # forward and backward graphs
-        for p in compute.parameters():
-            p.grad = None  # as at an update's first micro-batch: gradients stolen, not added
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            with ctx:
+        profiles = {}
+        for ddp in (False, True):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                        ) as prof:
                 smoothed, _ = micro_loss(net, compute, micro, loss)
-            smoothed.backward()
-    for p in compute.parameters():
-        p.grad = None
-    kernels = extern = 0
-    names: collections.Counter[str] = collections.Counter()
-    for e in prof.events():
-        parent = e.cpu_parent
-        if e.name.startswith("cpp_fused") or e.name.startswith("cpp_"):
-            kernels += 1  # a kernel inductor generated (profiled by its wrapper)
-        elif e.name.startswith("aten::") and parent is not None and \
-                not parent.name.startswith("aten::"):
-            extern += 1  # an op the compiled wrapper (or autograd) calls directly
-            names[e.name] += 1
-    if debug:
-        print(sorted({e.name for e in prof.events() if e.cpu_parent is None}))
-        print(names.most_common(15))
+                backward(smoothed, half, ddp)
+            clear()
+            profiles[ddp] = prof
+    counts = {}
+    for ddp, prof in profiles.items():
+        kernels = extern = 0
+        names: collections.Counter[str] = collections.Counter()
+        for e in prof.events():
+            parent = e.cpu_parent
+            if e.name.startswith("cpp_fused") or e.name.startswith("cpp_"):
+                kernels += 1  # a kernel inductor generated (profiled by its wrapper)
+            elif e.name.startswith("aten::") and parent is not None and \
+                    not parent.name.startswith("aten::"):
+                extern += 1  # an op the compiled wrapper (or autograd) calls directly
+                names[e.name] += 1
+        if debug:
+            print(f"ddp={ddp}", sorted({e.name for e in prof.events() if e.cpu_parent is None}))
+            print(names.most_common(15))
+        counts[ddp] = (kernels, extern)
     inductor.cpp.enable_kernel_profile = False
-    return {"graphs": graphs, "graph_breaks": breaks, "kernels": max(kernels, generated),
-            "top_level_aten": extern}
+    return {"graphs": graphs, "graph_breaks": breaks,
+            "kernels": max(counts[False][0], generated), "top_level_aten": counts[False][1],
+            "top_level_aten_ddp": counts[True][1]}
 
 
 def count_arch(arch: str, vocab: int, shapes: dict[str, tuple[int, int]],
@@ -265,22 +290,25 @@ def count_arch(arch: str, vocab: int, shapes: dict[str, tuple[int, int]],
     # nmt train's copy on CUDA (nmt/train/setup.py): linear weights stored transposed
     half_rows = HalfWeights(model, pad_vocab=True, rows_linears=True)
     sizes = ((4, 24), (8, 48))  # (rows, length): tokens 96 and 384
-    per: dict[str, tuple[Counted, Counted]] = {}
+    # per (lever, under DDP): 1 GPU runs one process, 8 GPUs DDP (backward into `.grad`)
+    per: dict[tuple[str, bool], tuple[Counted, Counted]] = {}
     for lever, compute, half in (("eager", model, None), ("bf16-weights", half_plain.model,
                                                           half_plain),
                                  ("padded-vocab", half_pad.model, half_pad),
                                  ("rows-linear", half_rows.model, half_rows)):
-        per[lever] = tuple(count_micro(model, compute, half, synthetic_micro(
-            r, n, vocab, torch.device("cpu")), loss) for r, n in sizes)  # type: ignore
-        say(f"{arch} {lever}: {per[lever][0].ops} ops per micro-batch "
-            f"({per[lever][0].views} views, {per[lever][0].casts} casts, "
-            f"{per[lever][0].weight_casts} weight casts, {per[lever][0].matmuls} matmuls)")
+        for ddp in (False, True):
+            per[lever, ddp] = tuple(count_micro(model, compute, half, synthetic_micro(
+                r, n, vocab, torch.device("cpu")), loss, ddp) for r, n in sizes)  # type: ignore
+            c = per[lever, ddp][0]
+            say(f"{arch} {lever}{' (DDP)' if ddp else ''}: {c.ops} ops per micro-batch "
+                f"({c.views} views, {c.casts} casts, {c.weight_casts} weight casts, "
+                f"{c.matmuls} matmuls)")
     step_ops = {"eager": count_step(model, None), "half": count_step(model, half_rows)}
     compiled = None
     if compile_levers:
         micro = synthetic_micro(8, 44, vocab, torch.device("cpu"), pad_to=bucket_length(44))
         say(f"{arch}: compiling for one bucket on the CPU backend...")
-        compiled = compiled_calls(half_rows.model, micro, loss, half=True)
+        compiled = compiled_calls(half_rows, micro, loss)
         say(f"{arch} compiled: {compiled}")
     small, large = (r * n for r, n in sizes)
     records = []
@@ -288,10 +316,11 @@ def count_arch(arch: str, vocab: int, shapes: dict[str, tuple[int, int]],
         fill = 0.945
         tokens = round(2 * freq * micro_tokens * fill)  # real source + target
         one_micro_freq = 1  # planned: see planning below
+        ddp = shape != "1gpu"
         for lever in LEVERS:
             if lever in ("compile", "cuda-graphs") and compiled is None:
                 continue
-            base = per.get(lever, per["rows-linear"])
+            base = per.get((lever, ddp), per["rows-linear", ddp])
             a, b = base
 
             def at(tokens_: float, x: float, y: float) -> float:
@@ -302,14 +331,16 @@ def count_arch(arch: str, vocab: int, shapes: dict[str, tuple[int, int]],
             ops = b.ops
             kernels = b.ops - b.views
             cls = "eager"
+            if compiled is not None:
+                extern = compiled["top_level_aten_ddp" if ddp else "top_level_aten"]
+                # what runs outside a graph: DDP's per-parameter accumulation
+                outside = extern - compiled["top_level_aten"]
             if lever == "compile":
-                assert compiled is not None
-                ops = kernels = compiled["kernels"] + compiled["top_level_aten"]
+                ops = kernels = compiled["kernels"] + extern
                 cls = "compiled"
             elif lever == "cuda-graphs":
-                assert compiled is not None
-                kernels = compiled["kernels"] + compiled["top_level_aten"]
-                ops = 2  # one replay for the forward, one for the backward
+                kernels = compiled["kernels"] + extern
+                ops = 2 + outside  # one replay for the forward, one for the backward
                 cls = "graphed"
             step = step_ops["eager" if lever == "eager" else "half"]
             bytes_ = f * at(m, a.bytes, b.bytes)

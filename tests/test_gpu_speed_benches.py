@@ -171,3 +171,30 @@ def test_train_speed_smoke_levers(flags):
     assert report["max_buckets"] == (1 if "--max-buckets" in flags else 0)
     assert report["loss_per_token_first_update"] == pytest.approx(
         base["loss_per_token_first_update"], abs=0.02)
+
+
+def test_base_micro_batch_dispatches_a_third_of_what_the_first_gpu_run_did():
+    """Along the GPU's code path, one base micro-batch (forward and backward, one process,
+    the bf16 copy as `nmt train` builds it on CUDA) dispatches at most a third of the 3,330
+    ops counted after the first GPU visit, with no cast of a weight; under autocast the
+    weights are cast in every micro-batch. Op counts do not depend on the batch size."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import _count_ops
+    import torch
+
+    from nmt.config import model_preset
+    from nmt.model.transformer import Transformer
+    from nmt.train.half import HalfWeights
+    from nmt.train.step import LossOptions
+
+    torch.manual_seed(0)
+    cfg = model_preset("base", vocab_size=37000)
+    model = Transformer(cfg)
+    half = HalfWeights(model, pad_vocab=True, rows_linears=True)
+    micro = _count_ops.synthetic_micro(4, 12, 37000, torch.device("cpu"))
+    loss = LossOptions(0.1, cfg.pad_id)
+    counted = _count_ops.count_micro(model, half.model, half, micro, loss)
+    assert counted.ops <= 3330 // 3 and counted.weight_casts == 0, counted.by_op
+    assert counted.matmuls >= 6 * 4 * 3 + 6 * 6 * 3  # every linear forward and backward
+    eager = _count_ops.count_micro(model, model, None, micro, loss)
+    assert eager.weight_casts > 0 and eager.ops > counted.ops

@@ -89,6 +89,19 @@ def key_padding_mask(padding_mask: Tensor) -> Tensor:
     return allowed[:, None, None, :]  # (batch, 1, 1, src_len)
 
 
+def additive_mask(mask: Tensor | None, like: Tensor) -> Tensor | None:
+    """On SDPA's path, boolean `mask` as SDPA would convert it in every call (three ops per
+    layer): additive, 0 where allowed and -inf elsewhere, in the dtype attention computes in
+    (autocast's, else `like`'s), built once per forward and shared by the layers. On the
+    CPU's path (`masked_scores`), the boolean mask as it is."""
+    if mask is None or cpu_path(like):
+        return mask
+    device = like.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else like.dtype
+    hidden = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return hidden.masked_fill_(mask.logical_not(), float("-inf"))  # same shape as mask
+
+
 class SelfAttention(nn.Module):
     """Multi-head self-attention with a fused QKV projection; d_k may differ from d_v."""
 
@@ -122,8 +135,9 @@ class SelfAttention(nn.Module):
         """Attend over whole sequences: `x` (batch, len, d_model), or its rows (batch *
         len, d_model) with `batch`; the result has x's shape.
 
-        `attn_mask` is None (no padding) or a boolean mask broadcastable to
-        (batch, heads, len, len); `is_causal` hides later positions without a mask tensor.
+        `attn_mask` is None (no padding), a boolean mask broadcastable to (batch, heads,
+        len, len), or its `additive_mask` (SDPA's path); `is_causal` hides later
+        positions without a mask tensor.
         """
         rows, batch = as_rows(x, batch)
         q, k, v = self.project(rows, batch)
@@ -180,8 +194,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
            is_causal: bool = False, dropout_p: float = 0.0) -> Tensor:
     """softmax(q k^T / sqrt(d_k)) v over whole sequences, as SDPA computes it: q (b, heads,
     t, d_k), k (b, heads, s, d_k), v (b, heads, s, d_v) -> (b, heads, t, d_v); `attn_mask`
-    None or boolean broadcastable to (b, heads, t, s), True = may attend; `is_causal` hides
-    later keys; `dropout_p` drops attention weights (0 at inference).
+    None, boolean broadcastable to (b, heads, t, s) (True = may attend) or additive;
+    `is_causal` hides later keys; `dropout_p` drops attention weights (0 at inference).
 
     SDPA on GPU. On CPU the softmax is written out (in at least float32, cast back to
     v's dtype): SDPA's CPU flash kernel has a high fixed cost at translation's short
@@ -232,8 +246,8 @@ class CrossAttention(nn.Module):
     def forward(self, x: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
                 batch: int | None = None) -> Tensor:
         """Attend from `x` (batch, tgt_len, d_model), or its rows with `batch`, over
-        projected encoder K/V; `attn_mask` is None or (batch, 1, 1, src_len) boolean (True
-        = real token). The result has x's shape."""
+        projected encoder K/V; `attn_mask` is None or (batch, 1, 1, src_len), boolean (True
+        = real token) or its `additive_mask`. The result has x's shape."""
         rows, batch = as_rows(x, batch)
         q = heads(self.q(rows), batch, 1, self.heads)[0]  # (batch, heads, tgt_len, d_k)
         drop = self.dropout if self.training else 0.0

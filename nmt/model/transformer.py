@@ -2,13 +2,14 @@
 
 One weight matrix is shared by the source embedding, the target embedding and the output
 projection (section 3.4). Masks are built once per forward: source padding becomes one
-boolean SDPA mask reused by every encoder self-attention and decoder cross-attention layer,
-and is skipped entirely when the batch has no padding; the decoder's causal mask is
-`is_causal` (SDPA's on GPU, one cached mask per shape on CPU). Knowing whether a batch has
-padding costs one host sync per `encode()` unless the caller passes `has_pad` (the training
-loop may pass True to avoid it on GPU). Training uses `forward(..., select=rows)`, which
-projects only the non-padding target positions to the vocabulary (`decode_features` +
-`logits` do the same outside DistributedDataParallel). Between layers the states are rows,
+SDPA mask (additive on SDPA's path, boolean on the CPU's) reused by every encoder
+self-attention and decoder cross-attention layer, and is skipped entirely when the batch
+has no padding; the decoder's causal mask is `is_causal` (SDPA's on GPU, one cached mask
+per shape on CPU). Knowing whether a batch has padding costs one host sync per `encode()`
+unless the caller passes `has_pad` (the training loop may pass True to avoid it on GPU).
+Training uses `forward(..., select=rows)`, which projects only the non-padding target
+positions to the vocabulary (`decode_features` + `logits` do the same outside
+DistributedDataParallel). Between layers the states are rows,
 (batch * len, d_model) (nmt/model/attention.py, `as_rows`).
 
 Incremental decoding (one target position at a time over a key/value cache, for search)
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nmt.config import ModelConfig
-from nmt.model.attention import CrossAttention, SelfAttention, key_padding_mask
+from nmt.model.attention import CrossAttention, SelfAttention, additive_mask, key_padding_mask
 from nmt.model.dropout import dropout
 from nmt.model.layers import (
     DecoderLayer,
@@ -121,6 +122,7 @@ class Transformer(nn.Module):
         mask = key_padding_mask(padding_mask) if has_pad else None
         x = self.embed_tokens(src, self.enc_positions(src.size(1)))  # (batch, src_len, d_model)
         if layer_step is None:  # rows from layer to layer (nmt/model/attention.py, as_rows)
+            mask = additive_mask(mask, x)  # SDPA's path: converted once, not in each layer
             batch = src.size(0)
             rows = x.view(-1, x.size(-1))  # (batch * src_len, d_model)
             for layer in self.encoder:
@@ -145,9 +147,9 @@ class Transformer(nn.Module):
 
     def decoder_rows(self, tgt_in: Tensor, enc: EncoderOutput) -> Tensor:
         """`decode_features` as rows, (batch * tgt_len, d_model)."""
-        mask = enc.attn_mask()
         batch = tgt_in.size(0)
         x = self.embed_tokens(tgt_in, self.dec_positions(tgt_in.size(1)))  # (batch, tgt, d_model)
+        mask = additive_mask(enc.attn_mask(), x)  # SDPA's path: once, not in each layer
         rows = x.view(-1, x.size(-1))  # (batch * tgt_len, d_model)
         memory = enc.states.view(-1, enc.states.size(-1))  # (batch * src_len, d_model)
         for layer in self.decoder:

@@ -18,8 +18,13 @@ multiple of 64, the tile of the GPU's matmul kernels). The extra rows are zero, 
 looked up and never predicted: the loss leaves their logits out (`vocab` of
 nmt/train/loss.py), so their gradient is zero and they are not in the fp32 model at all.
 
-Gradients accumulate in bf16 over an update's micro-batches (as fairseq's fp16 does), and
-DDP all-reduces them in bf16; `gather` moves the sum to fp32 once per update.
+In one process, each micro-batch's backward hands its gradients straight to fp32 buffers
+(`backward`: autograd.grad, then one multi-tensor copy or add): the copy's parameters never
+get a `.grad`, so autograd runs no accumulation node per parameter (one host op each, 193
+of base's 1,100 per micro-batch), and the sum over micro-batches is fp32. Under DDP, whose
+all-reduce hooks sit on those accumulation nodes, gradients accumulate in the copy's `.grad`
+in bf16 (as fairseq's fp16 does), DDP all-reduces them in bf16, and `gather` moves the sum
+to fp32 once per update.
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ class HalfWeights:
         self.targets = [self._part(p, q, flip) for p, q, flip in
                         zip(self.master_params, self.params, self.flipped, strict=True)]
         self._grads: list[Tensor] | None = None  # fp32 gradient buffers, kept
+        self._sinks: list[Tensor] = []  # the buffers as the copy's gradients are laid out
+        self._filled: set[int] = set()  # buffers `backward` wrote this update
 
     @staticmethod
     def _part(p: Tensor, q: Tensor, flipped: bool) -> Tensor:
@@ -89,21 +96,52 @@ class HalfWeights:
         with torch.no_grad():
             torch._foreach_copy_(self.targets, self.master_params)
 
-    def gather(self) -> None:
-        """Put the copy's accumulated gradients into the master's `.grad` in fp32 (one
-        multi-tensor copy into buffers kept between updates) and clear the copy's. A
-        parameter without a gradient (unused by every micro-batch) gets none."""
+    def _buffers(self) -> list[Tensor]:
+        """The fp32 gradient buffers, one per master parameter, kept between updates, and
+        `_sinks`: each as the copy's gradient is laid out (a transposed view for a
+        `RowsLinear` weight), so a micro-batch's gradients go in with no view of their own."""
         if self._grads is None:
             self._grads = [torch.zeros_like(p) for p in self.master_params]
-        have = [i for i, q in enumerate(self.params) if q.grad is not None]
+            self._sinks = [g.t() if flip else g for g, flip in zip(self._grads, self.flipped,
+                                                                   strict=True)]
+        return self._grads
+
+    def backward(self, loss: Tensor) -> None:
+        """Backward of one micro-batch's `loss` (computed on the copy), its gradients added
+        into the fp32 buffers in one multi-tensor op (copied at the update's first use of
+        a buffer); `gather` hands them to the master. One process only: DDP's all-reduce
+        needs the copy's `.grad` (loss.backward(), then `gather`)."""
+        grads = torch.autograd.grad(loss, self.params, allow_unused=True)
+        self._buffers()
+        sources = [g if g is None or g.shape == sink.shape else g[:sink.size(0)]
+                   for g, sink in zip(grads, self._sinks, strict=True)]  # padded rows out
+        fresh = [i for i, g in enumerate(sources) if g is not None and i not in self._filled]
+        again = [i for i, g in enumerate(sources) if g is not None and i in self._filled]
         with torch.no_grad():
-            torch._foreach_copy_(
-                [self._grads[i] for i in have],
-                [self._part(self.master_params[i], self.params[i].grad,  # type: ignore[arg-type]
-                            self.flipped[i]) for i in have])
-        for i in have:
-            self.master_params[i].grad = self._grads[i]
+            for ids, op in ((fresh, torch._foreach_copy_), (again, torch._foreach_add_)):
+                if ids:
+                    op([self._sinks[i] for i in ids],
+                       [sources[i] for i in ids])  # type: ignore[misc]
+        self._filled.update(fresh)
+
+    def gather(self) -> None:
+        """Put the update's gradients into the master's `.grad` in fp32 and clear the
+        copy's: those `backward` summed into the buffers, or those accumulated in the
+        copy's `.grad` (loss.backward(), under DDP), copied into the buffers by one
+        multi-tensor copy. A parameter without a gradient (unused by every micro-batch)
+        gets none."""
+        bufs = self._buffers()
+        have = [i for i, q in enumerate(self.params) if q.grad is not None]
+        if have:
+            with torch.no_grad():
+                torch._foreach_copy_(
+                    [bufs[i] for i in have],
+                    [self._part(self.master_params[i], self.params[i].grad,  # type: ignore[arg-type]
+                                self.flipped[i]) for i in have])
+        for i in sorted(self._filled.union(have)):
+            self.master_params[i].grad = bufs[i]
             self.params[i].grad = None
+        self._filled.clear()
 
     def scale_dropout(self, factor: float) -> None:
         """Set the copy's dropout rates as the master's (`Transformer.scale_dropout`)."""

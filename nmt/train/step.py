@@ -124,7 +124,8 @@ def train_step(net: nn.Module, model: Transformer,
     nll_sum = torch.zeros((), device=device)
     net.train()
     items = list(micro)
-    ddp = world_size > 1 and hasattr(net, "no_sync")
+    wrapped = hasattr(net, "no_sync")  # DDP (its hooks need the copy's `.grad`)
+    ddp = world_size > 1 and wrapped
     for i, item in enumerate(items):
         mb = item() if callable(item) else item
         last = i == len(items) - 1
@@ -132,7 +133,11 @@ def train_step(net: nn.Module, model: Transformer,
         with sync:
             with autocast(device, precision) if half is None else contextlib.nullcontext():
                 smoothed, nll = micro_loss(net, model, mb, loss)
-            scaler.scale(smoothed * scale).backward()
+            scaled = scaler.scale(smoothed * scale)
+            if half is not None and not wrapped:
+                half.backward(scaled)  # straight into fp32 buffers (nmt/train/half.py)
+            else:
+                scaled.backward()
         loss_sum += smoothed.detach()
         nll_sum += nll
     if half is not None:

@@ -63,3 +63,36 @@ def test_causal_mask_first_built_under_inference_mode_still_trains() -> None:
     q.requires_grad_(True)
     masked_scores(q, k, None, is_causal=True).softmax(-1).sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_sdpa_path_gets_its_mask_additive_once_and_computes_the_cpu_paths_function(
+        autocast: bool) -> None:
+    """On SDPA's path the padding mask is made additive once per forward, in the dtype
+    attention computes in (autocast's bf16 or the weights'), as SDPA would make it in every
+    layer; the model's logits equal the CPU path's (boolean mask, softmax written out)."""
+    from nmt.config import model_preset
+    from nmt.model.attention import additive_mask, key_padding_mask
+    from nmt.model.paths import cuda_paths
+    from nmt.model.transformer import Transformer
+
+    pad = torch.tensor([[False, False, True], [False, True, True]])
+    allowed = key_padding_mask(pad)
+    x = torch.zeros(2, 3, 4)
+    assert additive_mask(allowed, x) is allowed  # CPU path: boolean, as it is
+    with cuda_paths():
+        add = additive_mask(allowed, x)
+        assert additive_mask(None, x) is None
+    assert add.dtype == torch.float32 and add.shape == allowed.shape
+    assert torch.equal(add == 0, allowed) and torch.isinf(add[~allowed]).all()
+    torch.manual_seed(0)
+    model = Transformer(model_preset("tiny", vocab_size=50, dropout=0.0)).eval()
+    src = torch.tensor([[5, 6, 7, 2], [8, 2, 0, 0]])
+    tgt = torch.tensor([[1, 7, 8], [1, 9, 0]])
+    ctx = torch.autocast("cpu", torch.bfloat16, enabled=autocast)
+    with torch.no_grad(), ctx:
+        want = model(src, tgt, has_pad=True)
+        with cuda_paths():
+            got = model(src, tgt, has_pad=True)
+    tol = {"rtol": 2e-2, "atol": 2e-2} if autocast else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(got.float(), want.float(), **tol)

@@ -146,3 +146,39 @@ def test_rows_linear_copy_computes_the_same_function() -> None:
         master.encoder[0].self_attn.qkv.weight.mul_(2)
     half.refresh()
     assert torch.equal(qkv.weight.t(), master.encoder[0].self_attn.qkv.weight)
+
+
+def test_backward_into_fp32_buffers_equals_accumulated_grads() -> None:
+    """One process: each micro-batch's gradients go straight into the fp32 buffers
+    (autograd.grad, no `.grad` on the copy); over two micro-batches the master gets the
+    same gradients as the fp32 model's own accumulated backward, in its layout, and the
+    next update starts from them afresh (copied, not added)."""
+    torch.manual_seed(0)
+    master = Transformer(model_preset("tiny", vocab_size=VOCAB, dropout=0.0)).train()
+    opts = LossOptions(0.1, master.config.pad_id)
+    first, second = _micro(), _micro()
+    second.batch.src[0, :3] = 5  # a different batch
+    for mb in (first, second):
+        micro_loss(master, master, mb, opts)[0].backward()
+    want = {n: p.grad.clone() for n, p in master.named_parameters()}
+    master.zero_grad(set_to_none=True)
+    half = HalfWeights(master, dtype=torch.float32, pad_vocab=True, rows_linears=True)
+    for _ in range(2):  # two updates: the second must not add to the first's sums
+        for mb in (first, second):
+            half.backward(micro_loss(half.model, half.model, mb, opts)[0])
+        assert all(q.grad is None for q in half.model.parameters())
+        half.gather()
+        for n, p in master.named_parameters():
+            torch.testing.assert_close(p.grad, want[n], rtol=1e-5, atol=1e-6, msg=n)
+        master.zero_grad(set_to_none=True)
+
+
+def test_backward_leaves_a_parameter_no_micro_batch_used_without_gradient() -> None:
+    torch.manual_seed(0)
+    master = Transformer(model_preset("tiny", vocab_size=VOCAB, dropout=0.0)).train()
+    master.register_parameter("unused", torch.nn.Parameter(torch.zeros(3)))
+    half = HalfWeights(master, dtype=torch.float32)
+    opts = LossOptions(0.1, master.config.pad_id)
+    half.backward(micro_loss(half.model, half.model, _micro(), opts)[0])
+    half.gather()
+    assert master.unused.grad is None and master.embed.weight.grad is not None

@@ -74,7 +74,10 @@ def test_two_gloo_ranks_equal_one_process_with_update_freq_2(tmp_path):
 def test_two_gloo_ranks_on_a_bf16_copy_track_one_process(tmp_path):
     """--half-weights under DDP: the bf16 copy is what DDP wraps (its gradients all-reduced
     in bf16, then gathered into the fp32 master): the updates of 1 process with update-freq
-    2 to bf16 rounding, fp32 weights saved."""
+    2 (whose micro-batches add their gradients in fp32) to bf16 rounding, fp32 weights
+    saved. Weights are compared tensor by tensor by the norm of the difference: the keys'
+    biases get a gradient of rounding noise alone (a softmax does not see them), which Adam
+    turns into steps of the learning rate's size in either direction."""
     data = make_copy_data(tmp_path / "data", n_train=200, n_valid=20)
     mp.start_processes(_worker, args=(2, _free_port(), str(data), str(tmp_path / "ddp"), True),
                        nprocs=2, join=True, start_method="spawn")
@@ -90,7 +93,9 @@ def test_two_gloo_ranks_on_a_bf16_copy_track_one_process(tmp_path):
     one = load_checkpoint(tmp_path / "one" / "checkpoint_last.pt")
     for name, tensor in one["model"].items():
         assert ddp["model"][name].dtype == torch.float32
-        torch.testing.assert_close(ddp["model"][name], tensor, rtol=0.05, atol=2e-3)
+        gap = (ddp["model"][name] - tensor).norm() / tensor.norm().clamp_min(1e-3)
+        keys_bias = name.endswith(("qkv.bias", "kv.bias"))  # 0.045 at most, others 0.004
+        assert gap < (0.1 if keys_bias else 0.01), (name, float(gap))
 
 
 REPO = Path(__file__).resolve().parents[2]
