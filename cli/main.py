@@ -1,4 +1,5 @@
-"""The Typer app: `nmt prep|bpe|train|average|translate|shortlist|score|plot|serve|export`."""
+"""The Typer app: `nmt prep|bpe|train|average|translate|tune|shortlist|score|plot|serve|
+export|doctor`."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from cli import (
     shortlist,
     train,
     translate,
+    tune,
 )
 from nmt import __version__
 from nmt.host_memory import reexec_with_huge_page_heap
@@ -57,6 +59,8 @@ app.command("train", help="Train a Transformer on binarized data.")(train.comman
 app.command("average", help="Average the parameters of several checkpoints.")(average.command)
 app.command("translate", help="Translate lines from stdin (or -i) with beam search.")(
     translate.command)
+app.command("tune", help="Choose the length penalty (and beam) on a dev set by a rule "
+            "that transfers; translate then uses it.")(tune.command)
 app.command("shortlist", help="Learn a lexical shortlist for faster translation "
             "(translate --shortlist).")(shortlist.command)
 app.command("score", help="Score hypotheses against references (sacreBLEU, paper BLEU).")(

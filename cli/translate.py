@@ -74,7 +74,8 @@ def command(
     **settings: Any,
 ) -> None:
     """Translate one output line per input line (a line ends at \\n only), in input
-    order; beam 4 and alpha 0.6 as in the paper. Exit codes: 3 bad input (e.g. --errors
+    order; beam 4 and alpha 0.6 as in the paper, or what `nmt tune` chose for the run
+    (its decoding.json, said on stderr; options given win). Exit codes: 3 bad input (e.g. --errors
     strict), 6 unloadable or unsafe checkpoint."""
     interrupt_surely("translate", terminate=True)
     with handle_errors("translate"):
@@ -83,9 +84,16 @@ def command(
         from nmt.cores import available_cores
         from nmt.device import resolve_device
         from nmt.inference.translate import Engine
+        from nmt.inference.tuned import describe, tuned_settings
         from nmt.inference.workers import plan_workers
 
-        cfg = DecodeConfig(**given(DecodeConfig, settings))
+        files = model_files("translate", models)
+        asked = given(DecodeConfig, settings)
+        tuned, tuned_from = tuned_settings(files)
+        if tuned_from is not None:  # RUN/decoding.json of `nmt tune`; options given win
+            console.print(f"nmt translate: {describe(tuned, tuned_from, list(asked))}",
+                          markup=False, soft_wrap=True)
+        cfg = DecodeConfig(**{**tuned, **asked})
         run = RuntimeConfig(**given(RuntimeConfig, settings))  # names checked here
         interactive = input_path is None and sys.stdin.isatty()
         plan = plan_workers(workers, threads_per_worker, resolve_device(run.device).type,
@@ -94,7 +102,7 @@ def command(
             console.print(f"nmt translate: {plan.note}", markup=False, soft_wrap=True)
         if plan.workers == 1:
             torch.set_num_threads(plan.threads)
-        translator = Engine.load(model_files("translate", models), cfg, device=run.device,
+        translator = Engine.load(files, cfg, device=run.device,
                                  precision=run.precision, max_src_len=max_src_len,
                                  seed=run.seed, weights=run.weights, workers=plan.workers,
                                  threads=plan.threads, shortlist=shortlist)

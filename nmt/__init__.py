@@ -9,7 +9,8 @@ The Python API (nmt/api.py), importable without loading torch:
 Where things live:
 - `nmt.model`: the network (transformer, layers, attention, dropout), the reference.
 - `nmt.inference`: search, incremental decoding and its caches, the translate pipeline,
-  the table of CPU backends and the fast paths, exporters.
+  the table of CPU backends and the fast paths, exporters, the decoding settings `nmt
+  tune` chooses (tune, tuned).
 - `nmt.kernels`: the C kernels, built at install per ISA level, loaded per CPU.
 - `nmt.train`: the training step, loss, schedules and the loop around them.
 - `nmt.data`: recipes, prep, sentencepiece BPE, binarized datasets, batching.

@@ -76,11 +76,14 @@ class Translator:
     """
 
     def __init__(self, engine: Engine, paths: list[Path],
-                 languages: tuple[str, str] = ("", "")) -> None:
-        """Use `Translator.load`; this wraps an already loaded engine."""
+                 languages: tuple[str, str] = ("", ""),
+                 tuned: dict[str, Any] | None = None) -> None:
+        """Use `Translator.load`; this wraps an already loaded engine. `tuned`: decoding
+        options used where a call gives none of its own (`nmt tune`'s decoding.json)."""
         self._engine = engine
         self.paths = paths
         self._languages = languages
+        self.tuned: dict[str, Any] = dict(tuned or {})
         self._lock = threading.Lock()
 
     @classmethod
@@ -97,6 +100,10 @@ class Translator:
         (None: leave torch's setting). `shortlist`: a file of `nmt shortlist` made with
         the model's vocabulary: only each batch's likely target pieces are scored.
 
+        A model in a run directory where `nmt tune` wrote decoding.json decodes with the
+        alpha (and beam) it chose wherever a call gives none (said on stderr unless
+        `quiet`; `tuned` holds them).
+
         On a CPU, loading also sets two things for the whole process, for as long as it
         lives: glibc keeps freed memory for reuse instead of unmapping it, and oneDNN
         keeps 4,096 compiled kernels (unless ONEDNN_PRIMITIVE_CACHE_CAPACITY is set
@@ -105,6 +112,7 @@ class Translator:
 
         from nmt.checkpoint import resolve_model_paths
         from nmt.inference.translate import Engine
+        from nmt.inference.tuned import describe, tuned_settings
 
         for name, value in (("threads", threads), ("workers", workers)):
             if value is not None and value < 1:
@@ -114,10 +122,13 @@ class Translator:
         given = [path] if isinstance(path, str | Path) else list(path)
         files = resolve_model_paths([Path(p) for p in given], lambda item, file: quiet or print(
             f"nmt: {item}: using {file}", file=sys.stderr))
+        tuned, tuned_from = tuned_settings(files)
+        if tuned_from is not None and not quiet:
+            print(f"nmt: {describe(tuned, tuned_from)}", file=sys.stderr)
         engine = Engine.load(files, _D, device=device, precision=precision,
                              weights=weights, workers=workers, threads=threads or 1,
                              shortlist=None if shortlist is None else Path(shortlist))
-        return cls(engine, files, _languages(files[0]))
+        return cls(engine, files, _languages(files[0]), tuned)
 
     def __enter__(self) -> Translator:
         return self
@@ -173,8 +184,9 @@ class Translator:
 
         `options` are `DecodeConfig`'s fields (nmt/config.py), which are `nmt translate`'s
         flags of the same names with its defaults: beam (4) and alpha (0.6) as in the
-        paper, max_len_a, max_len_b, min_len, early_stop, sampling, temperature, top_k,
-        top_p, max_tokens, buffer_size (nbest: see `translate_hypotheses`).
+        paper (or those of the run's decoding.json, `tuned`), max_len_a, max_len_b,
+        min_len, early_stop, sampling, temperature, top_k, top_p, max_tokens, buffer_size
+        (nbest: see `translate_hypotheses`).
         `target_prefix`, one per line (None or "": none): that line's output starts with
         it (teacher-forced, then the search goes on). `seed` makes `sampling`
         reproducible for this call. Over-long lines are truncated to `max_src_len` pieces
@@ -208,7 +220,7 @@ class Translator:
         if target_prefix is not None and len(target_prefix) != len(texts):
             raise UsageError(f"target_prefix has {len(target_prefix)} entries for "
                              f"{len(texts)} lines; give one per line (None for none)")
-        cfg = decode_config(options)
+        cfg = decode_config({**self.tuned, **options})
         with self._lock:  # forming batches (and, without workers, decoding them)
             engine = self._engine.configured(cfg, max_src_len, name="max_src_len")
             if seed is not None:

@@ -331,7 +331,8 @@ class _Server:
         lines = [line for text in texts for line in text.split("\n")]
         self.lines_of(lines, "lines of q")
         nbest = alternatives + 1
-        options = {"nbest": nbest, "beam": max(_D.beam, nbest)}
+        beam = model.translator.tuned.get("beam", _D.beam)  # nmt tune's, else the paper's
+        options = {"nbest": nbest, "beam": max(beam, nbest)}
         results = await self.translate(model, lines, options)
         translated, alts, start = [], [], 0
         for text in texts:

@@ -57,7 +57,8 @@ class ServedModel:
         return {"name": self.name, "source": self.source, "target": self.target,
                 "architecture": config, "parameters": self.translator.parameters,
                 "device": self.translator.device, "precision": self.translator.precision,
-                "path": str(self.translator.paths[0])}
+                "path": str(self.translator.paths[0]),
+                "decoding": self.translator.tuned}  # nmt tune's choice ({}: the paper's)
 
 
 def parse_model_spec(spec: str) -> tuple[str | None, Path]:
