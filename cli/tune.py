@@ -35,7 +35,7 @@ def command(
                               help="Beam sizes to try, comma-separated (each multiplies "
                               "the decoding time)."),
     rule: str = typer.Option(DEFAULT_RULE, "--rule", show_default=True,
-                             help=f"How to choose: {' | '.join(RULES)} (docs/inference.md "
+                             help=f"How to choose: {' | '.join(RULES)} (docs/translating.md "
                              "has the evidence behind the default)."),
     ratio: float = typer.Option(None, "--ratio", show_default="the training corpus's",
                                 help="Target/source length ratio (13a tokens) the rule "

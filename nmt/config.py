@@ -372,7 +372,7 @@ class RuntimeConfig:
     device: str = _setting("auto", "auto | cpu | cuda.")  # see DEVICES
     precision: str = _setting(  # see DECODE_PRECISIONS
         "auto", "auto | fp32 | bf16 | fp16 | int8 model weights (int8: CPU only, int8 linear "
-        "layers, see docs/inference.md). auto: bf16 where the GPU computes it natively "
+        "layers, see docs/translating.md). auto: bf16 where the GPU computes it natively "
         "(fp16 on pre-Ampere GPUs) or the CPU does (AVX512-BF16/AMX) and measured faster "
         "than fp32, else fp32; as `train` does. "
         "Outputs may differ from fp32 in rounding only. On a CPU the linears run through "

@@ -7,7 +7,7 @@ the sources'. The arg-max of dev BLEU mostly fits the brevity penalty to the dev
 references, whose length against their sources differs from split to split (Multi30k:
 target/source 1.061 in pieces on valid, 1.035 on train, 1.008 on test2016), so the choice
 does not carry over. The rules here judge length against the training corpus's
-target/source ratio, a property of the language pair, instead (`RULES`; docs/inference.md
+target/source ratio, a property of the language pair, instead (`RULES`; docs/translating.md
 gives the evidence behind the default).
 """
 

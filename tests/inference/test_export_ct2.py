@@ -185,7 +185,7 @@ def test_trained_model_translates_the_same(multi30k_model: Path, lines: list,
     limit (see beam_outputs); with the paper's 0.6 they differ by design (CTranslate2
     divides by length ** alpha, nmt by GNMT's ((5 + length) / 6) ** alpha, and CTranslate2
     stops at `beam` finished hypotheses), yet this weak model, which often babbles to the
-    limit, still agrees on most lines (the demo model: docs/inference.md)."""
+    limit, still agrees on most lines (the demo model: docs/translating.md)."""
     out = tmp_path / "ct2"
     result = nmt_cli.invoke("export", "ct2", "-m", str(multi30k_model), "-o", str(out))
     assert result.returncode == 0
@@ -202,7 +202,7 @@ def test_trained_model_translates_the_same(multi30k_model: Path, lines: list,
     assert same >= 0.99, f"alpha 0: only {same:.3f} of {len(pairs)} lines agree"
     # alpha 0.6: no agreement is guaranteed (different penalties, different stopping), and
     # the share depends on the trained weights as above: 0.829 on AVX-512 (AMD), 0.766
-    # with the kernels forced to AVX2 (Intel), 94.6 % on the demo model (docs/inference.md). A
+    # with the kernels forced to AVX2 (Intel), 94.6 % on the demo model (docs/translating.md). A
     # guard that the two still translate alike most of the time, not a fixed figure.
     ours, theirs, _ = beam_outputs(multi30k_model, out, sources, 0.6, max_len=30)
     same = sum(a == b for a, b in zip(ours, theirs, strict=True)) / len(ours)
