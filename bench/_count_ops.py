@@ -56,7 +56,7 @@ MATMULS = {"mm", "bmm", "addmm", "baddbmm", "linear", "matmul",
            "_scaled_dot_product_flash_attention_for_cpu_backward"}
 DEVICES_GIB = {"80 GB (H100)": 80e9, "141 GB (H200)": 141e9}
 # The H200's measured peak memory of base at 8,805 tokens, reference loss, bf16 autocast
-# (docs/performance.md, 2026-11-27): the calibration of the saved-bytes estimate.
+# (docs/performance.md, "On a GPU"): the calibration of the saved-bytes estimate.
 H200_BASE_PEAK_GIB = 6.09
 H200_BASE_TOKENS = 8805
 # What the code the H200 ran (d590941: layers on (batch, len, d_model), a view on either

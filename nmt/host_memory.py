@@ -7,10 +7,10 @@ Switching mmap off and raising the trim threshold keeps freed blocks in the heap
 next step. The price is memory: the setting is process-wide and nothing freed is given
 back, so oneDNN's per-shape primitive cache (bf16 matmuls meet a new row count almost
 every update) is sized down for training and up for long-running translators. The
-measurements behind each setting: docs/performance.md ("Host memory").
+measurements behind each setting: docs/performance.md ("Measurements behind the code").
 
 A training process also wants glibc's heap in transparent huge pages: with 4 KiB pages it
-slows down as its heap spreads (docs/training.md, "The heap in huge pages"). glibc takes
+slows down as its heap spreads (docs/training.md, "On a CPU"). glibc takes
 that setting only from the environment at process start, so `nmt train` re-executes
 itself once with it.
 """
@@ -60,7 +60,7 @@ TRAIN_BUCKETED_ONEDNN_CACHE = 1024
 # process (`nmt serve`, a program holding a Translator, `nmt translate` on a large file)
 # needs several thousand primitives in its working set. With oneDNN's 1024 they are evicted
 # and rebuilt (each a JIT-compiled kernel) over and over, which slows a long-lived process
-# down; 4096 costs some peak memory (docs/performance.md, "Host memory").
+# down; 4096 costs some peak memory (docs/performance.md, "Measurements behind the code").
 INFERENCE_ONEDNN_CACHE = 4096
 
 

@@ -4,10 +4,10 @@
 must compute bf16 natively (AVX512-BF16 or AMX), and the CPU be of a kind whose bf16
 matmuls are faster than fp32's. Native is not enough: an Intel Xeon without AMX (or whose
 AMX its hypervisor hides) runs bf16 through AVX512-BF16 slower than fp32 (docs/performance.md,
-"CPU classes"); `nmt doctor` measures it on the CPU at hand. oneDNN's own cap shows what a
-CPU without native bf16 gets: `ONEDNN_MAX_CPU_ISA=AVX2` (or `AVX512_CORE`) makes `auto`
-resolve to fp32. An explicit bf16/fp16 on a CPU where it is slow is allowed but named, with
-its measured cost (`precision_note`).
+"CPU classes and what nmt picks"); `nmt doctor` measures it on the CPU at hand. oneDNN's own
+cap shows what a CPU without native bf16 gets: `ONEDNN_MAX_CPU_ISA=AVX2` (or `AVX512_CORE`)
+makes `auto` resolve to fp32. An explicit bf16/fp16 on a CPU where it is slow is allowed but
+named, with its measured cost (`precision_note`).
 """
 
 from __future__ import annotations

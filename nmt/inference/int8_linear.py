@@ -6,7 +6,8 @@ with one scale and zero point for the whole tensor (`quantized::linear_dynamic`:
 int8 GEMM with int32 accumulation, rescale, bias, in one C++ call; float32 out).
 
 Two kernels, picked per call by the size of the output: FBGEMM while the float32 output is
-small, oneDNN once it outgrows the core's L2 cache (docs/performance.md, "int8 kernels").
+small, oneDNN once it outgrows the core's L2 cache (docs/performance.md, "Measurements behind
+the code").
 Without VNNI the u8 x s8 pair sums of vpmaddubsw can saturate int16, so activations then
 use 7 bits (`reduce_range`), as torch's own dynamic quantization does on such CPUs (also
 when FBGEMM_ENABLE_INSTRUCTIONS or ONEDNN_MAX_CPU_ISA caps the kernels at AVX2).

@@ -14,8 +14,8 @@ per-dimension mean and variance, found per batch from whole-vocabulary sums minu
 candidates' rows; where s > 2 log n a few of the largest logits dominate the sum and
 h . mu + sqrt(2 log n s) replaces it (the random energy model's frozen phase). It costs a
 (rows, 2 d_model) dot per step. The estimate goes into the PAD column, which every
-search counts in the normaliser and never picks (docs/performance.md, "the shortlist's
-normaliser").
+search counts in the normaliser and never picks (docs/performance.md, "Measurements
+behind the code").
 """
 
 from __future__ import annotations

@@ -246,7 +246,7 @@ def test_this_machine_gets_the_layer_its_cell_names(precision: str) -> None:
         assert backend_of(layers[name], precision) == want, name
 
 
-@pytest.mark.parametrize("doc", ["docs/inference.md", "docs/design.md"])
+@pytest.mark.parametrize("doc", ["docs/performance.md", "docs/design.md"])
 def test_the_docs_print_the_table_as_it_is(doc: str) -> None:
     """The table in the docs is `render()`'s, between its markers: regenerate it with
     `python -c "from nmt.inference.backends import render; print(render())"`."""
