@@ -10,7 +10,7 @@ meaning (True = may attend) and are built once per forward by the caller, never 
 Tensors are batch-first. A full-sequence pass carries each layer's input as rows (batch *
 len, d_model) with the batch size beside it, so each linear layer takes it as it is and the
 heads are split with one view and one permute (`heads`): every view saved is an op fewer
-for a GPU's host to dispatch (docs/training.md, "GPU training").
+for a GPU's host to dispatch (docs/training.md, "GPU levers").
 """
 
 from __future__ import annotations

@@ -369,7 +369,7 @@ def fused_loss_enabled(choice: str, device: torch.device) -> bool:
     """Whether training uses `projected_smoothed_loss` (TrainConfig.fused_loss): "on",
     "off", or "auto" = on for CUDA, where not materialising the (rows, vocab) logits saves
     memory at no loss of speed, off for a CPU, where recomputing the logits in the backward
-    costs time (docs/training.md, "The fused loss")."""
+    costs time (docs/training.md, "GPU levers")."""
     if choice == "auto":
         return device.type == "cuda"
     return choice == "on"
