@@ -38,7 +38,7 @@ AVX2_ENV := ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCT
 TEST_WORKERS ?= 2
 PYTEST := $(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: demo install test check gpu-visit-files
+.PHONY: demo install test check docs gpu-visit-files
 install: $(VENV)/.installed
 
 # The C kernels are compiled by the install (setup.py): a change to them reinstalls.
@@ -62,6 +62,12 @@ test: $(VENV)/.installed-dev
 # fault-injection runs, wheel builds.
 check: $(VENV)/.installed-dev
 	$(PYTEST) -m "not slow"
+
+# `make docs`: regenerate docs/reference/cli.md and docs/reference/api.md from the code, and
+# the generated blocks of README.md and docs/*.md (docs/generate.py; tests/test_docs.py
+# fails while a committed one differs).
+docs: install
+	$(VENV)/bin/python docs/generate.py
 
 demo: install
 	$(NMT) prep $(RECIPE) -o $(DATA) $(if $(MIRROR),--mirror $(MIRROR))

@@ -33,13 +33,20 @@ def config_options(cls: type, names: Iterable[str] | None = None,
         if wanted is not None and field.name not in wanted:
             continue
         meta, hint = field.metadata, hints[field.name]
-        dashed = field.name.replace("_", "-")
-        flag = meta.get("flag") or (f"--{dashed}/--no-{dashed}" if hint is bool else f"--{dashed}")
-        option = typer.Option(None, flag, help=meta.get("help"),
+        option = typer.Option(None, option_flag(field, hint), help=meta.get("help"),
                               show_default=meta.get("shown_default") or shown(field))
         params.append(inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY,
                                         default=option, annotation=_plain_type(hint)))
     return params
+
+
+def option_flag(field: dataclasses.Field[Any], hint: Any) -> str:
+    """The option declaration of a config field (`hint`: its resolved type): its metadata's
+    `flag`, else `--field-name`, or `--field-name/--no-field-name` for a bool. Also what
+    docs/generate.py lists beside each field of the API reference."""
+    dashed = field.name.replace("_", "-")
+    return field.metadata.get("flag") or (
+        f"--{dashed}/--no-{dashed}" if hint is bool else f"--{dashed}")
 
 
 def _plain_type(hint: Any) -> Any:

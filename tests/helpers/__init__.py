@@ -14,6 +14,8 @@ sys.path, as for conftest; a subprocess that imports them needs tests/ on PYTHON
 - serving.py: a real `nmt serve` on a free port with HTTP helpers (Server, free_port).
 - native.py: code run where no kernel library was built (without_kernels): the C
   kernels' fallback.
+- links.py: the links of Markdown files and the anchors (heading slugs, `<a id>`) they
+  may name, as GitHub reads them (tests/test_docs.py).
 
 Paths and threads (REPO, shared_data_path, torch_threads) stay in conftest.
 """
