@@ -82,6 +82,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from results import record  # noqa: E402  (bench/results/record.py)
+
 from nmt.config import TrainConfig, model_preset  # noqa: E402
 from nmt.data.batch_tokens import derive_batching  # noqa: E402
 from nmt.data.batching import Batch, batch_by_tokens, collate  # noqa: E402
@@ -683,6 +685,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "bench/gpu_model.py)")
     parser.add_argument("--no-compile-count", action="store_true",
                         help="with --count-ops: leave out the compiled levers (minutes)")
+    record.add_argument(parser, "gpu-train")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU, tiny model, vocab 1000, max-tokens 1024, batch-tokens "
                         "2048, 1+2 updates per loss")
@@ -757,7 +760,33 @@ def main() -> None:
             print(f"--- profile, loss {name}")
             print_profile(figures["profile"], figures["step_time_s"])
     from nmt.doctor import report as machine  # beside every figure
-    print(json.dumps({**result, "doctor": machine(measure=False)}))
+    doctor = machine(measure=False)
+    print(json.dumps({**result, "doctor": doctor}))
+    record.write(records(result, doctor), opt.record)
+
+
+def records(result: dict, doctor: dict) -> list[dict]:
+    """One gpu-train record (bench/results/README.md) per loss timed."""
+    mode = ("compiled" if result["compile"] else "eager") + (
+        ", CUDA graphs" if result["cuda_graphs"] else "") + (
+        ", bf16 weights" if result["half_weights"] else "")
+    run = record.run_id()
+    found = []
+    for name in result.get("losses", [result["loss"]]):
+        fig = result.get("by_loss", {}).get(name, result)
+        memory = fig.get("peak_memory_allocated_gib", fig.get("peak_host_rss_gib"))
+        settings = {"arch": result["arch"], "precision": result["precision"], "mode": mode,
+                    "vocab": result["vocab"], "gpus": result["gpus"],
+                    "shape": f"{result['update_freq']} x {result['micro_tokens']:,} tokens"
+                             + (" per GPU, one GPU's share, all-reduce not timed"
+                                if result["gpus"] > 1 else ""),
+                    "loss": name, "device": result["device"], "smoke": result["smoke"]}
+        figures = {"step_time_ms": 1000 * fig["step_time_s"],
+                   "tokens_per_s": fig["tokens_per_s"], "mfu": fig.get("mfu"),
+                   "model_tflops": fig.get("model_tflops"), "peak_memory_gib": memory,
+                   "peak_bf16_tflops": result.get("peak_tflops"), "updates": result["updates"]}
+        found.append(record.make("gpu-train", "nmt", settings, figures, doctor, run=run))
+    return found
 
 
 if __name__ == "__main__":

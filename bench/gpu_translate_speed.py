@@ -47,6 +47,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from results import record  # noqa: E402  (bench/results/record.py)
 from translate_speed import ct2_request  # noqa: E402  (bench/: the CPU comparison)
 
 from nmt.checkpoint import model_payload, save_checkpoint  # noqa: E402
@@ -181,6 +182,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=max_tokens_for("cuda"),
                         help="padded source tokens per batch, both systems")
     parser.add_argument("--cache", type=Path, default=Path("/tmp/nmt_bench_gpu_translate"))
+    record.add_argument(parser, "gpu-translate")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU, random-init tiny model, 20 lines, max-len 12, fp32")
     opt = parser.parse_args(argv)
@@ -230,7 +232,29 @@ def main() -> None:
             if why:
                 meta["ct2_skipped"] = why
     from nmt.doctor import report as machine  # beside every figure
-    print(json.dumps({**report(nmt_rows, ct2_rows, meta), "doctor": machine(measure=False)}))
+    doctor = machine(measure=False)
+    print(json.dumps({**report(nmt_rows, ct2_rows, meta), "doctor": doctor}))
+    record.write(records(nmt_rows, ct2_rows, meta, opt, doctor), opt.record)
+
+
+def records(nmt_rows: dict[str, dict], ct2_rows: dict[str, dict], meta: dict,
+            opt: argparse.Namespace, doctor: dict) -> list[dict]:
+    """One gpu-translate record (bench/results/README.md) per nmt precision and
+    CTranslate2 compute type."""
+    run = record.run_id()
+    model = str(opt.checkpoint) if opt.checkpoint else f"random {opt.random_arch}"
+    found = []
+    for system, rows in (("nmt", nmt_rows), ("ctranslate2", ct2_rows)):
+        for precision, row in rows.items():
+            settings = {"precision": precision, "model": model, "source": meta["source"],
+                        "lines": meta["lines"], "beam": meta["beam"], "alpha": meta["alpha"],
+                        "max_len": meta["max_len"], "max_tokens": meta["max_tokens"],
+                        "device": meta["device"], "smoke": meta["smoke"]}
+            figures = {"sentences_per_s": row["sentences_per_s"],
+                       "tokens_per_s": row["tokens_per_s"], "bleu": row.get("bleu")}
+            found.append(record.make("gpu-translate", system, settings, figures, doctor,
+                                     run=run))
+    return found
 
 
 if __name__ == "__main__":

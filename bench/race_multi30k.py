@@ -63,6 +63,7 @@ import sacrebleu
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _race_fairseq as fs
+from results import record
 
 REPO = Path(__file__).resolve().parents[1]
 NMT = Path(sys.executable).parent / "nmt"
@@ -250,6 +251,7 @@ def main() -> None:
     parser.add_argument("--fairseq-total-updates", type=int, default=None,
                         help="Where fairseq's linear schedule reaches 0: the updates it "
                         "makes in the budget (from an inverse_sqrt run's log).")
+    record.add_argument(parser, "train-cpu")
     parser.add_argument("--retrain", action="store_true",
                         help="Delete earlier runs in OUT instead of reusing them.")
     args = parser.parse_args()
@@ -367,7 +369,41 @@ def main() -> None:
                **{f"{t}_chrf": {f"{r['minutes']:g}": r["chrf"] for r in results[t]}
                   for t in toolkits}}
     from nmt.doctor import report as machine  # beside every figure
-    print(json.dumps({**summary, "doctor": machine(measure=False)}))
+    doctor = machine(measure=False)
+    print(json.dumps({**summary, "doctor": doctor}))
+    record.write(records(results, report, args, budgets, doctor), args.record)
+
+
+def records(results: dict[str, list[dict]], report: dict, args: argparse.Namespace,
+            budgets: list[float], doctor: dict) -> list[dict]:
+    """train-cpu records (bench/results/README.md): per toolkit and budget mark, test2016
+    BLEU, chrF and the updates by then; `mid_run` where the run's schedule had not ended
+    by the mark (a longer budget's checkpoint)."""
+    run = record.run_id()
+    nmt_args = shlex.split(args.nmt_args)
+    nmt_end = (float(nmt_args[nmt_args.index("--max-minutes") + 1])
+               if "--max-minutes" in nmt_args else max(budgets))
+    schedules = {"nmt": "the recipe's" + (f", --max-minutes {nmt_end:g}"
+                                          if "--max-minutes" in nmt_args else ""),
+                 "fairseq": f"{args.fairseq_schedule}, peak {args.fairseq_lr:g}" + (
+                     f", to 0 at update {args.fairseq_total_updates}"
+                     if args.fairseq_total_updates else "")}
+    found = []
+    for toolkit, rows in results.items():
+        end = nmt_end if toolkit == "nmt" else max(budgets)
+        for row in rows:
+            if row.get("bleu") is None:
+                continue
+            settings = {"bench": "race_multi30k",
+                        "measure": f"test2016 BLEU at {row['minutes']:g} minutes",
+                        "shape": "small", "schedule": schedules[toolkit],
+                        "budget_minutes": end, "mid_run": row["minutes"] < end - 0.5,
+                        "beam": BEAM, "alpha": ALPHA, "quick": args.quick,
+                        "smoke": args.quick, "command": report["commands"].get(toolkit)}
+            figures = {"minutes": row["minutes"], "bleu": row["bleu"], "chrf": row.get("chrf"),
+                       "updates": row.get("update")}
+            found.append(record.make("train-cpu", toolkit, settings, figures, doctor, run=run))
+    return found
 
 
 if __name__ == "__main__":

@@ -42,6 +42,9 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from results import record  # noqa: E402  (bench/results/record.py)
+
 FAIRSEQ_PY = REPO / "bench" / ".venv-fairseq" / "bin" / "python"
 SHAPES = {"small": dict(layers=3, d_model=256, d_ff=1024, heads=4),
           "base": dict(layers=6, d_model=512, d_ff=2048, heads=8)}
@@ -212,6 +215,7 @@ def main() -> None:
     parser.add_argument("--base-rounds", type=int, default=2, help="alternating repeats (base)")
     parser.add_argument("--shapes", default="small,base")
     parser.add_argument("--settings", default="fp32,best")
+    record.add_argument(parser, "train-cpu")
     parser.add_argument("--child", choices=["nmt"], help=argparse.SUPPRESS)
     parser.add_argument("--batches", help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
@@ -239,11 +243,37 @@ def main() -> None:
           f"{os.cpu_count()} cores; rates are medians over all timed steps of "
           f"{opts.rounds} (small) / {opts.base_rounds} (base) alternating rounds", flush=True)
     from nmt.doctor import report as machine  # beside every figure
-    print(json.dumps({"doctor": machine(measure=False),
+    doctor = machine(measure=False)
+    record.write(records(results, opts, doctor), opts.record)
+    print(json.dumps({"doctor": doctor,
                       "bench": "train_throughput", "device": "cpu", "threads": opts.threads,
                       "max_tokens": opts.max_tokens, "vocab": opts.vocab,
                       "load_avg": load, "results": {
                           k: v for k, v in results.items()}}))
+
+
+def records(results: dict[str, dict], opts: argparse.Namespace, doctor: dict) -> list[dict]:
+    """train-cpu records (bench/results/README.md): per shape and setting, nmt's and
+    fairseq's tokens/s (wall; CPU time beside it) on the same batches."""
+    run = record.run_id()
+    found = []
+    threads = f"{opts.threads} thread{'s' if opts.threads > 1 else ''}"
+    for key, entry in results.items():
+        shape, _ = key.split("/")
+        measure = f"tokens/s, {threads}, nmt {entry['nmt_precision']}" + (
+            "" if shape == "small" else f", {shape}")
+        for system in ("nmt", "fairseq"):
+            if system not in entry:
+                continue
+            rates = entry[system]
+            settings = {"bench": "train_throughput", "measure": measure, "shape": shape,
+                        "precision": entry[f"{system}_precision"], "threads": opts.threads,
+                        "max_tokens": opts.max_tokens, "vocab": opts.vocab}
+            figures = {"tokens_per_s": rates["tokens_per_wall_s"],
+                       "tokens_per_cpu_s": rates["tokens_per_cpu_s"],
+                       "peak_rss_mb": rates["peak_rss_mb"], "steps": rates["steps"]}
+            found.append(record.make("train-cpu", system, settings, figures, doctor, run=run))
+    return found
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from loss_speed import status_bytes  # noqa: E402  (bench/: /proc/self/status fields)
+from results import record  # noqa: E402  (bench/results/record.py)
 from serve_load import cpu_name  # noqa: E402  (bench/: the CPU and its vector flags)
 
 from nmt.checkpoint import load_model, model_payload, save_checkpoint  # noqa: E402
@@ -433,6 +434,7 @@ def main() -> None:
                         help="Comma list among fp32, auto, int8, ct2, fairseq.")
     parser.add_argument("--skip-fairseq", action="store_true")
     parser.add_argument("--skip-ct2", action="store_true")
+    record.add_argument(parser, "translate-cpu")
     parser.add_argument("--smoke", action="store_true",
                         help="Cheap check: 40 sentences, nmt only, 1x1 and the cores split.")
     parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
@@ -554,7 +556,38 @@ def report(best: dict[str, dict], opts: argparse.Namespace, checkpoint: Path,
     result["rows"] = best
     result["load_average_1_5_15"] = list(os.getloadavg())
     from nmt.doctor import report as machine  # beside every figure
-    print(json.dumps({**result, "doctor": machine(measure=False)}))
+    doctor = machine(measure=False)
+    print(json.dumps({**result, "doctor": doctor}))
+    record.write(records(best, opts, doctor), opts.record)
+
+
+def records(best: dict[str, dict], opts: argparse.Namespace, doctor: dict) -> list[dict]:
+    """One translate-cpu record (bench/results/README.md) per system, precision and
+    shortlist: its best configuration's sentences/s and its one-thread figure."""
+    run = record.run_id()
+    found = []
+    names = dict.fromkeys(key.split("@")[0] for key in best)  # fp32, ct2_int8, ... in order
+    for name in names:
+        top = _best_of(best, f"{name}@")
+        if top is None:
+            continue
+        one = _best_of(best, f"{name}@", "1x1")
+        row = top[1]
+        system = row["system"]
+        precision = row["compute_type"] if system == "ctranslate2" else name.split("+")[0]
+        settings = {"precision": precision, "shortlist": name.endswith("+shortlist"),
+                    "cores": opts.cores, "beam": 4, "alpha": 0.6, "early_stop": opts.early_stop,
+                    "sentences": opts.sentences, "repeats": opts.repeats,
+                    "rounds": opts.rounds, "passes": opts.passes, "smoke": opts.smoke,
+                    "checkpoint": str(opts.checkpoint) if opts.checkpoint else "random small"}
+        if system == "nmt":
+            settings["resolved_precision"] = row["resolved_precision"]
+        figures = {"sentences_per_s": row["sentences_per_s"],
+                   "best_config": top[0].split("@")[1],
+                   "sentences_per_s_1_thread": one[1]["sentences_per_s"] if one else None,
+                   "bleu": row.get("bleu")}
+        found.append(record.make("translate-cpu", system, settings, figures, doctor, run=run))
+    return found
 
 
 if __name__ == "__main__":
