@@ -21,6 +21,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from results import record  # noqa: E402  (bench/results/record.py)
+
 from nmt.config import DecodeConfig  # noqa: E402
 from nmt.inference.tune import ALPHAS, RULES, choose, corpus_ratio, score_trial  # noqa: E402
 from nmt.score import read_lines  # noqa: E402
@@ -64,7 +66,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/tune_evidence"))
     parser.add_argument("--alphas", default=",".join(map(str, ALPHAS)))
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--describe", action="append", default=[], metavar="RUN=TEXT",
+                        help="What a model is, for its record (e.g. u1200=\"1,200 updates, "
+                        "fp32, capped at AVX2, seed 1\").")
+    record.add_argument(parser, "tune")
     opt = parser.parse_args()
+    described = dict(item.split("=", 1) for item in opt.describe)
     alphas = [float(a) for a in opt.alphas.split(",")]
     ratio = corpus_ratio(opt.data / "train.src", opt.data / "train.tgt")
     refs = {s: read_lines(opt.data / f"{s}.tgt") for s in SPLITS}
@@ -77,17 +84,17 @@ def main() -> None:
         trials = {s: [score_trial(a, 4, hyps[s][a], refs[s], srcs[s]) for a in alphas]
                   for s in SPLITS}
         test = {t.alpha: t for t in trials["test"]}
-        record = {"model": name, "valid": [t.to_dict() for t in trials["valid"]],
+        entry = {"model": name, "valid": [t.to_dict() for t in trials["valid"]],
                   "test": [t.to_dict() for t in trials["test"]], "chosen": {}}
         for rule in RULES:
             pick = choose(trials["valid"], ratio, rule)
-            record["chosen"][rule] = {"alpha": pick.alpha, "test_bleu": test[pick.alpha].bleu,
+            entry["chosen"][rule] = {"alpha": pick.alpha, "test_bleu": test[pick.alpha].bleu,
                                       "why": pick.why}
         argmax = max(trials["valid"], key=lambda t: t.bleu).alpha
-        record["chosen"]["valid-argmax"] = {"alpha": argmax, "test_bleu": test[argmax].bleu}
+        entry["chosen"]["valid-argmax"] = {"alpha": argmax, "test_bleu": test[argmax].bleu}
         best = max(test.values(), key=lambda t: t.bleu)
-        record["best_fixed"] = {"alpha": best.alpha, "test_bleu": best.bleu}
-        records.append(record)
+        entry["best_fixed"] = {"alpha": best.alpha, "test_bleu": best.bleu}
+        records.append(entry)
         print(f"\n{name}")
         print(f"  {'alpha':>5} {'valid BLEU':>10} {'chrF':>6} {'len/ref':>7} {'len/src':>7}"
               f"   {'test BLEU':>9} {'chrF':>6} {'len/ref':>7} {'len/src':>7}")
@@ -95,7 +102,7 @@ def main() -> None:
             print(f"  {v.alpha:>5} {v.bleu:>10.2f} {v.chrf:>6.2f} {v.ratio:>7.3f} "
                   f"{v.src_ratio:>7.3f}   {t.bleu:>9.2f} {t.chrf:>6.2f} {t.ratio:>7.3f} "
                   f"{t.src_ratio:>7.3f}")
-        for rule, c in record["chosen"].items():
+        for rule, c in entry["chosen"].items():
             print(f"  {rule:>14}: alpha {c['alpha']} -> test {c['test_bleu']:.2f}")
     print("\nrule (test BLEU of its choice per model; mean; worst gap to the best fixed "
           "alpha)")
@@ -112,8 +119,19 @@ def main() -> None:
                          "scores": scores}
         print(f"  {rule:>14}: {' '.join(f'{s:6.2f}' for s in scores)}   mean "
               f"{summary[rule]['mean']:.2f}   worst gap {max(gaps):.2f}")
+    from nmt.doctor import report as machine  # beside every figure
+
+    doctor = machine(measure=False)
     print(json.dumps({"bench": "tune_evidence", "corpus_ratio": ratio, "alphas": alphas,
-                      "records": records, "summary": summary}))
+                      "records": records, "summary": summary, "doctor": doctor}))
+    record.write([record.make("tune", "nmt", {
+        "model": r["model"], "about": described.get(r["model"], ""),
+        "data": opt.data.name, "corpus_ratio": round(ratio, 4)}, {
+        "valid_bleu": {str(t["alpha"]): t["bleu"] for t in r["valid"]},
+        "test_bleu": {str(t["alpha"]): t["bleu"] for t in r["test"]},
+        "test_len_ratio": {str(t["alpha"]): t["ratio"] for t in r["test"]},
+        "chosen_alpha": {rule: c["alpha"] for rule, c in r["chosen"].items()}}, doctor)
+        for r in records], opt.record)
 
 
 if __name__ == "__main__":

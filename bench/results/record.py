@@ -25,7 +25,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-KINDS = ("demo", "translate-cpu", "train-cpu", "gpu-train", "gpu-translate")
+KINDS = ("demo", "translate-cpu", "train-cpu", "gpu-train", "gpu-translate", "tune")
 SYSTEMS = ("nmt", "ctranslate2", "fairseq")
 REQUIRED = ("kind", "date", "commit", "command", "cpu", "system", "settings", "figures")
 CPU_FIELDS = ("model", "flags", "class")

@@ -143,6 +143,31 @@ def demo_table() -> str:
     return _markdown(header, rows)
 
 
+def demo_brief_table() -> str:
+    """README's table: `make demo` by CPU class, narrow: the latest run's BLEU with the
+    range of its machine's runs of the same recipe, minutes and updates."""
+    header = ["CPU (class, kernels)", "training", "test2016 BLEU (runs)", "minutes",
+              "updates"]
+    records = _load("demo")
+    if not records:
+        return _empty(header, "no `make demo` recorded")
+    groups = _groups(records, lambda r: (*_cpu_key(r), r["settings"].get("minutes"),
+                                         r["settings"].get("training_precision")))
+    rows = []
+    for (_, cls, cpu, kernels, minutes, precision), runs in groups.items():
+        last = _latest(runs)
+        same = [r for r in runs if r["settings"].get("recipe") == last["settings"].get("recipe")]
+        bleus = [r["figures"].get("bleu") for r in same if r["figures"].get("bleu") is not None]
+        spread = f"{min(bleus):.2f}-{max(bleus):.2f}, " if len(set(bleus)) > 1 else ""
+        name = cpu.split(" (")[0]
+        rows.append([f"{name} ({cls}{', capped at AVX2' if kernels != 'native' else ''})",
+                     f"{precision}, {minutes} min", f"{_num(last['figures'].get('bleu'), 2)}"
+                     f" ({spread}{len(bleus)} run{'s' if len(bleus) > 1 else ''})",
+                     _num(last["figures"].get("minutes"), 1),
+                     _num(last["figures"].get("updates"), 0)])
+    return _markdown(header, rows)
+
+
 # nmt's precision -> the CTranslate2 compute type the docs compare it with
 CT2_PEER = {"fp32": "float32", "int8": "int8", "auto": "int8", "bf16": "int8"}
 
@@ -379,12 +404,49 @@ def gpu_translate_table() -> str:
     return _markdown(header, rows)
 
 
+def tune_table() -> str:
+    """`nmt tune`'s rule against the alternatives on data no one tuned on (issue 73): per
+    model, test2016 BLEU at the paper's alpha 0.6, at 1.0, at the best fixed alpha, at the
+    arg-max of valid BLEU, and at what `nmt tune`'s rule (corpus-length) chose on valid;
+    then the mean over models and the worst shortfall against the best fixed alpha."""
+    header = ["model", "alpha 0.6", "alpha 1.0", "best fixed alpha", "valid arg-max",
+              "nmt tune (corpus-length)"]
+    records = _load("tune")
+    if not records:
+        return _empty(header, "no tuning evidence recorded")
+    latest = {r["settings"]["model"]: r for r in records}  # the last record of each model
+    columns: dict[str, list[float]] = {name: [] for name in header[1:]}
+    best_of: list[float] = []
+    rows = []
+    for name, rec in latest.items():
+        test, chosen = rec["figures"]["test_bleu"], rec["figures"]["chosen_alpha"]
+        best = max(test, key=lambda a: test[a])
+        cells = {"alpha 0.6": test["0.6"], "alpha 1.0": test["1.0"],
+                 "best fixed alpha": test[best],
+                 "valid arg-max": test[str(chosen["valid-argmax"])],
+                 "nmt tune (corpus-length)": test[str(chosen["corpus-length"])]}
+        picked = {"best fixed alpha": best, "valid arg-max": chosen["valid-argmax"],
+                  "nmt tune (corpus-length)": chosen["corpus-length"]}
+        for key, value in cells.items():
+            columns[key].append(value)
+        best_of.append(test[best])
+        about = rec["settings"].get("about")
+        rows.append([f"{name}{f' ({about})' if about else ''}"] + [
+            f"{cells[k]:.2f}" + (f" ({picked[k]})" if k in picked else "") for k in header[1:]])
+    rows.append(["mean"] + [f"{sum(v) / len(v):.2f}" for v in columns.values()])
+    rows.append(["worst gap to the best fixed alpha"] + [
+        f"{max(b - x for b, x in zip(best_of, v, strict=True)):.2f}" for v in columns.values()])
+    return _markdown(header, rows)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "results-demo": demo_table,
+    "results-demo-brief": demo_brief_table,
     "results-translate-cpu": translate_cpu_table,
     "results-train-cpu": train_cpu_table,
     "results-gpu-train": gpu_train_table,
     "results-gpu-translate": gpu_translate_table,
+    "results-tune": tune_table,
 }
 
 
