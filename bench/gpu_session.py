@@ -87,7 +87,7 @@ def install_step() -> Step | None:
     """pip install of this checkout onto the running Python's torch, no network: the
     missing wheels from bench/gpu_visit/wheels. None when nmt and sacremoses import."""
     if importlib.util.find_spec("nmt") and importlib.util.find_spec("sacremoses") \
-            and importlib.util.find_spec("cli"):
+            and importlib.util.find_spec("nmt.cli"):
         return None
     wheels = VISIT / "wheels"
     script = (f"{shlex.quote(PY)} -m pip install -q --no-index --find-links "
@@ -152,7 +152,7 @@ def steps(only: list[str], dry: bool, work: Path, quality_minutes: float) -> lis
         minutes = 0.2 if dry else quality_minutes
         device = "cpu" if dry else "cuda"
         run = work / "quality"
-        nmt = [PY, "-m", "cli.main"]
+        nmt = [PY, "-m", "nmt.cli.main"]
         # The dry run's budget is in updates: in 0.2 minutes a slow CPU (a 2.45 GHz Zen 3)
         # made 10 updates and 4 checkpoints, too few for `--last 5`.
         budget = (["--max-updates", "12", "--save-interval-updates", "2"] if dry else
