@@ -38,7 +38,7 @@ AVX2_ENV := ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCT
 TEST_WORKERS ?= 2
 PYTEST := $(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: demo install test check docs gpu-visit-files
+.PHONY: demo install test check docs gpu-offline-files
 install: $(VENV)/.installed
 
 # The C kernels are compiled by the install (setup.py): a change to them reinstalls.
@@ -83,17 +83,20 @@ demo: install
 	@echo "translation: $(RUN)/test.hyp  (source $(DATA)/test.src, reference $(DATA)/test.tgt)"
 	@echo "scores:      $(RUN)/test.score"
 
-# `make gpu-visit-files`: what a GPU visit needs that the lent machine lacks (no network
-# there), into the git-ignored bench/gpu_visit/ that `run(carry=["bench/gpu_visit"])` takes
-# along: wheels of sacremoses and its dependencies for the machine's Python 3.12, and a copy
-# of the shared data (Multi30k; newstest2014 for the beam-search bench). Then, on the GPU:
-# python3 bench/gpu_session.py (see its docstring).
+# `make gpu-offline-files`: what bench/gpu_session.py needs on a GPU machine without network
+# access that a machine with torch usually lacks, fetched here (where there is network) into
+# the git-ignored bench/gpu_offline/: wheels of sacremoses and its dependencies for the GPU
+# machine's Python (GPU_PY, default 3.12; x86-64 Linux), and a copy of the shared data
+# (Multi30k; newstest2014 for the beam-search bench). Copy the checkout, bench/gpu_offline/
+# included, to the GPU machine and run python3 bench/gpu_session.py there (see its
+# docstring): it installs from those wheels and reads that data.
 GPU_PY ?= 3.12
-gpu-visit-files:
-	mkdir -p bench/gpu_visit/wheels bench/gpu_visit/shared/multi30k bench/gpu_visit/shared/wmt14
+gpu-offline-files:
+	mkdir -p bench/gpu_offline/wheels bench/gpu_offline/shared/multi30k \
+		bench/gpu_offline/shared/wmt14
 	$(PYTHON) -m pip download -q --only-binary=:all: --python-version $(GPU_PY) \
 		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-		-d bench/gpu_visit/wheels sacremoses
-	cp ../shared/data/multi30k/* bench/gpu_visit/shared/multi30k/
-	cp ../shared/data/wmt14/newstest2014.* bench/gpu_visit/shared/wmt14/
-	du -sh bench/gpu_visit
+		-d bench/gpu_offline/wheels sacremoses
+	cp ../shared/data/multi30k/* bench/gpu_offline/shared/multi30k/
+	cp ../shared/data/wmt14/newstest2014.* bench/gpu_offline/shared/wmt14/
+	du -sh bench/gpu_offline

@@ -6,7 +6,7 @@ Run it in any session that has a GPU (it needs nothing but this checkout and
     .venv/bin/python bench/gpu_check.py                # CUDA: about 10 minutes on an H100
     .venv/bin/python bench/gpu_check.py --dry-run      # CPU, toy sizes: what CI runs
 
-Each check drives the real `nmt` commands (subprocesses of `python -m cli.main`) or the
+Each check drives the real `nmt` commands (subprocesses of `python -m nmt.cli.main`) or the
 real training loop in-process, on Multi30k prepared and BPE-encoded by `nmt prep` /
 `nmt bpe` into --out:
 
@@ -107,9 +107,9 @@ class Setup:
 def run_cli(setup: Setup, *args: str, stdin: bytes | None = None,
             timeout: float = 900, env_extra: dict[str, str] | None = None
             ) -> subprocess.CompletedProcess:
-    """`python -m cli.main ARGS` from the checkout; raises with its stderr on failure."""
+    """`python -m nmt.cli.main ARGS` from the checkout; raises with its stderr on failure."""
     env = {**os.environ, "PYTHONPATH": str(REPO), **(env_extra or {})}
-    result = subprocess.run([setup.python, "-m", "cli.main", *args], input=stdin,
+    result = subprocess.run([setup.python, "-m", "nmt.cli.main", *args], input=stdin,
                             capture_output=True, timeout=timeout, env=env, cwd=REPO)
     if result.returncode != 0:
         raise RuntimeError(f"nmt {' '.join(args[:2])} exited {result.returncode}: "
@@ -218,7 +218,7 @@ def check_resume(setup: Setup, runs: Path) -> Check:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     log = runs / "resume.stderr"
     with log.open("wb") as err:
-        proc = subprocess.Popen([setup.python, "-m", "cli.main", *flags], stderr=err,
+        proc = subprocess.Popen([setup.python, "-m", "nmt.cli.main", *flags], stderr=err,
                                 stdout=subprocess.DEVNULL, env=env, cwd=REPO)
         deadline = time.monotonic() + 600
         while b"saved " not in log.read_bytes() and proc.poll() is None:
@@ -531,7 +531,7 @@ def check_torchrun(setup: Setup, runs: Path) -> Check:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     start = time.perf_counter()
     # A session of its own: on a timeout the launcher and both ranks are killed together.
-    proc = subprocess.Popen([setup.python, "-m", "cli.main", *args], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([setup.python, "-m", "nmt.cli.main", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=env, cwd=REPO, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=900)

@@ -1,23 +1,29 @@
-"""One GPU visit in one command: install onto the machine's own torch, then each step of
+"""The GPU check in one command: install onto the machine's own torch, then each step of
 the GPU check (CUDA tests, correctness, speed, quality) with its own time cap, everything
 written under --out as it goes.
 
-On the lent GPU machine (no network, its own Python and torch), from the checkout root:
+On a machine with a GPU (its own Python and torch), from the checkout root:
 
-    python3 bench/gpu_session.py --out $OUT/gs --work /tmp/gs                 # a, b
-    python3 bench/gpu_session.py --out $OUT/gs --work /tmp/gs --only second   # c
-    python3 bench/gpu_session.py --out $OUT/gs --work /tmp/gs --only third    # d, e
-    python3 bench/gpu_session.py --out $OUT/gs --work /tmp/gs --only levers  # the levers
+    python3 bench/gpu_session.py --out OUT --work /tmp/gs                 # a, b
+    python3 bench/gpu_session.py --out OUT --work /tmp/gs --only second   # c
+    python3 bench/gpu_session.py --out OUT --work /tmp/gs --only third    # d, e
+    python3 bench/gpu_session.py --out OUT --work /tmp/gs --only levers  # the levers
     python3 bench/gpu_session.py --dry-run            # CPU, toy sizes: what CI runs
 
-A session lent 15 minutes of device time fits the first two back to back (about 7 + 5
-minutes and one start-up: the second call must follow within the machine's idle release,
-30 s); the third is the next session's.
+Each of the three groups takes about 5-7 minutes on an H200 (the first about 7, the second
+about 5), plus the install the first time.
 
-Before the visit, on the CPU side, `make gpu-visit-files` fills the git-ignored
-`bench/gpu_visit/` (carry it: `run(carry=["bench/gpu_visit"])`): wheels of what the machine
-lacks (sacremoses and its dependencies, for Python 3.12) and a copy of the shared data
-(Multi30k, newstest2014), found there through NMT_SHARED_DATA.
+What it needs besides the checkout: torch with CUDA, nmt's other dependencies but
+sacremoses (typer, sentencepiece, sacrebleu, rich, numpy; pytest for the tests step), and
+the shared data (Multi30k, newstest2014) in ../shared/data or where NMT_SHARED_DATA points.
+Its install step installs
+the checkout onto that torch without network (pip --no-index --no-deps -e .), taking
+sacremoses and its dependencies from bench/gpu_offline/wheels; it is skipped where nmt and
+sacremoses already import (after your own `pip install -e .` on a machine with network).
+On a machine without network access, first run `make gpu-offline-files` where there is
+network: it downloads those wheels (for Python 3.12; `GPU_PY=3.x` for another) and copies
+the shared data into the git-ignored bench/gpu_offline/, where the session looks for both;
+then copy the checkout, bench/gpu_offline/ included, to the GPU machine.
 
 Steps (names for --only; `first` = tests,check, `second` = train, `third` = speed,quality;
 or a single step by the name it has in steps.jsonl, e.g. check_other, train_big_8gpu):
@@ -32,13 +38,14 @@ or a single step by the name it has in steps.jsonl, e.g. check_other, train_big_
               the whole update as one micro-batch (is the host the limit?)
   speed    d. bench/gpu_translate_speed.py: beam search on CUDA, bf16 and fp32
   quality  e. the Multi30k recipe for --quality-minutes on CUDA, averaged, test2016 BLEU
-Each step's output goes to OUT/<step>.log (data and runs to --work: keep it out of $OUT,
-whose file count is limited), one JSON line per step to OUT/steps.jsonl
-(rc, seconds, timed out), and the end prints where each minute went. A step that hangs
-costs its cap, not the visit; --budget-s (default 7 minutes) caps the whole visit, cutting
-the last steps' caps and skipping what no longer fits, so a second visit after a fix fits
-the device time left. Correctness first, then speed, then quality. The dry run reports
-GPU-only figures as n/a (the benches' own dry modes).
+Each step's output goes to OUT/<step>.log (data and runs to --work: keep it out of OUT,
+which then holds only the logs and the JSON lines), one JSON line per step to
+OUT/steps.jsonl (rc, seconds, timed out), and the end prints where each minute went. A step
+that hangs costs its cap, not the session; --budget-s (default 7 minutes) caps the whole
+session, cutting the last steps' caps and skipping what no longer fits, so that a session
+keeps to the time planned for it, and a second one after a fix re-runs only the steps it
+names. Correctness first, then speed, then quality. The dry run reports GPU-only figures as
+n/a (the benches' own dry modes).
 """
 
 from __future__ import annotations
@@ -55,9 +62,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-VISIT = REPO / "bench" / "gpu_visit"  # git-ignored: wheels/ and shared/ for the machine
+# git-ignored: wheels/ and shared/ for a GPU machine without network (make gpu-offline-files)
+OFFLINE = REPO / "bench" / "gpu_offline"
 PY = sys.executable
-# Three visits' worth, each about 5-7 minutes on an H200 (measured 2026-11-27: tests 67 s,
+# Three groups, each about 5-7 minutes on an H200 (measured 2026-11-27: tests 67 s,
 # check 180 s + 75 s; the train group about 5 minutes): correctness, then training speed,
 # then decoding speed and quality.
 GROUPS = {"first": ["tests", "check"], "second": ["train"], "third": ["speed", "quality"]}
@@ -66,7 +74,7 @@ STEPS = ("install", "tests", "check", "train", "speed", "quality", "levers")  # 
 
 @dataclass
 class Step:
-    """One capped command of the visit."""
+    """One capped command of the session."""
 
     name: str
     argv: list[str]
@@ -75,21 +83,23 @@ class Step:
 
 
 def shared_data() -> Path:
-    """Where the shared data is: NMT_SHARED_DATA, else the visit copy, else ../shared."""
+    """Where the shared data is: NMT_SHARED_DATA, else the offline copy
+    (bench/gpu_offline/shared), else ../shared/data."""
     if "NMT_SHARED_DATA" in os.environ:
         return Path(os.environ["NMT_SHARED_DATA"])
-    if (VISIT / "shared" / "multi30k").is_dir():
-        return VISIT / "shared"
+    if (OFFLINE / "shared" / "multi30k").is_dir():
+        return OFFLINE / "shared"
     return REPO.parent / "shared" / "data"
 
 
 def install_step() -> Step | None:
     """pip install of this checkout onto the running Python's torch, no network: the
-    missing wheels from bench/gpu_visit/wheels. None when nmt and sacremoses import."""
+    missing wheels from bench/gpu_offline/wheels. None when nmt (with nmt.cli) and
+    sacremoses import."""
     if importlib.util.find_spec("nmt") and importlib.util.find_spec("sacremoses") \
-            and importlib.util.find_spec("cli"):
+            and importlib.util.find_spec("nmt.cli"):
         return None
-    wheels = VISIT / "wheels"
+    wheels = OFFLINE / "wheels"
     script = (f"{shlex.quote(PY)} -m pip install -q --no-index --find-links "
               f"{shlex.quote(str(wheels))} sacremoses && {shlex.quote(PY)} -m pip install -q "
               f"--no-index --no-deps --no-build-isolation -e {shlex.quote(str(REPO))}")
@@ -97,7 +107,7 @@ def install_step() -> Step | None:
 
 
 def steps(only: list[str], dry: bool, work: Path, quality_minutes: float) -> list[Step]:
-    """The visit's commands, in order, with their caps (seconds; dry run: CPU toy sizes);
+    """The session's commands, in order, with their caps (seconds; dry run: CPU toy sizes);
     data, runs and checkpoints go under `work`."""
     data = work / "data"  # Multi30k prepared once by the check, reused by quality
     plan: list[Step] = []
@@ -152,7 +162,7 @@ def steps(only: list[str], dry: bool, work: Path, quality_minutes: float) -> lis
         minutes = 0.2 if dry else quality_minutes
         device = "cpu" if dry else "cuda"
         run = work / "quality"
-        nmt = [PY, "-m", "cli.main"]
+        nmt = [PY, "-m", "nmt.cli.main"]
         # The dry run's budget is in updates: in 0.2 minutes a slow CPU (a 2.45 GHz Zen 3)
         # made 10 updates and 4 checkpoints, too few for `--last 5`.
         budget = (["--max-updates", "12", "--save-interval-updates", "2"] if dry else
@@ -305,7 +315,12 @@ def run_step(step: Step, out: Path, record: Path) -> dict[str, object]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # The docstring's first paragraph says what runs, its "What it needs" one what a machine
+    # without network needs first (make gpu-offline-files).
+    paragraphs = __doc__.split("\n\n")
+    parser = argparse.ArgumentParser(
+        description=paragraphs[0],
+        epilog=next(p for p in paragraphs if p.startswith("What it needs")))
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU, toy sizes (GPU-only figures n/a): what CI runs")
     parser.add_argument("--only", default="first",
@@ -315,19 +330,20 @@ def main() -> int:
                         "step of a group by its name (check_other, train_big_8gpu, ...)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "gpu_session")
     parser.add_argument("--work", type=Path, default=None,
-                        help="data, runs and checkpoints (default OUT/work); on the GPU "
-                        "machine put it outside $OUT, so that only the logs come back")
+                        help="data, runs and checkpoints (default OUT/work); put it "
+                        "outside --out to keep OUT to the logs and the JSON lines")
     parser.add_argument("--quality-minutes", type=float, default=3.0)
     parser.add_argument("--budget-s", type=float, default=420.0,
-                        help="the whole visit's command time: each step's cap is cut to what "
-                        "is left, and a step with under 15 s left is skipped (default 7 min)")
+                        help="the whole session's command time: each step's cap is cut to "
+                        "what is left, and a step with under 15 s left is skipped (default "
+                        "7 min)")
     opts = parser.parse_args()
     only: list[str] = []
     names = [n.strip() for n in opts.only.split(",") if n.strip()]
     for name in names:
         only += GROUPS.get(name, [name])
     # A step's own name (train_big_8gpu, check_other, ...) picks that step of its group,
-    # in the plan's order: a second visit re-runs only what failed or did not fit.
+    # in the plan's order: a second session re-runs only what failed or did not fit.
     grouped = [(group, step) for group in STEPS[1:]
                for step in steps([group], opts.dry_run, opts.work or opts.out / "work",
                                  opts.quality_minutes)]
@@ -340,7 +356,7 @@ def main() -> int:
     record = opts.out / "steps.jsonl"
     record.unlink(missing_ok=True)
     os.environ.setdefault("NMT_SHARED_DATA", str(shared_data()))
-    visit_start = time.perf_counter()
+    session_start = time.perf_counter()
     results = []
     install = install_step()
     if install is not None:
@@ -349,7 +365,7 @@ def main() -> int:
             print("gpu_session: install failed; see its log", file=sys.stderr)
             return 1
     for step in plan:
-        left = opts.budget_s - (time.perf_counter() - visit_start)
+        left = opts.budget_s - (time.perf_counter() - session_start)
         if left < 15:
             skipped = {"step": step.name, "rc": None, "skipped": "out of --budget-s"}
             with record.open("a", encoding="utf-8") as sink:
@@ -362,7 +378,7 @@ def main() -> int:
         if step.name.startswith(("train_", "levers_b")) and peak and not opts.dry_run:
             step.argv += ["--peak-tflops", str(peak)]  # MFU against the measured peak
         results.append(run_step(step, opts.out, record))
-    total = time.perf_counter() - visit_start
+    total = time.perf_counter() - session_start
     print("\nwhere the time went:")
     for r in results:
         mark = (" skipped (budget)" if r["rc"] is None else " TIMED OUT" if r["timed_out"]

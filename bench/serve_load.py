@@ -91,7 +91,7 @@ def translate_file(checkpoint: Path, lines: list[str], threads: int, workers: in
     ahead, sorted and batched at a time: the engine with as many sentences in flight as a
     server load that keeps that many."""
     extra = ["--buffer-size", str(buffer_size)] if buffer_size else []
-    done = subprocess.run([sys.executable, "-m", "cli.main", "translate", "-m", str(checkpoint),
+    done = subprocess.run([sys.executable, "-m", "nmt.cli.main", "translate", "-m", str(checkpoint),
                            "--stats", "--workers", str(workers), "--threads-per-worker",
                            str(threads), *extra], input="\n".join(lines) + "\n",
                           capture_output=True, text=True, cwd=REPO,
@@ -147,7 +147,7 @@ def start_server(opts: argparse.Namespace, lines: list[str], workers: int
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "serve", "-m", f"en-de={opts.checkpoint}",
+        [sys.executable, "-m", "nmt.cli.main", "serve", "-m", f"en-de={opts.checkpoint}",
          "--port", str(port), "--threads", str(opts.threads), "--workers", str(workers),
          "--max-lines", "64"],
         cwd=REPO, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)

@@ -6,7 +6,7 @@ import json
 
 import typer
 
-from cli.common import handle_errors
+from nmt.cli.common import handle_errors
 
 
 def command(

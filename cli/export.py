@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from cli.common import console, handle_errors, model_files
+from nmt.cli.common import console, handle_errors, model_files
 
 app = typer.Typer(help="Export a checkpoint for another inference engine: ct2 "
                   "(CTranslate2) or hf (Hugging Face transformers).",

@@ -7,7 +7,8 @@ import sys
 
 import typer
 
-from cli import (
+from nmt import __version__
+from nmt.cli import (
     average,
     bpe,
     doctor,
@@ -21,7 +22,6 @@ from cli import (
     translate,
     tune,
 )
-from nmt import __version__
 from nmt.host_memory import reexec_with_huge_page_heap
 
 

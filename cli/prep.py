@@ -9,8 +9,8 @@ from typing import Any
 
 import typer
 
-from cli.common import console, handle_errors
-from cli.progress import RichReporter
+from nmt.cli.common import console, handle_errors
+from nmt.cli.progress import RichReporter
 from nmt.config import ModelConfig
 from nmt.cores import available_cores
 from nmt.data.local_recipe import files_recipe, parse_pair

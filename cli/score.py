@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from cli.common import handle_errors
+from nmt.cli.common import handle_errors
 from nmt.score import METRICS, score_files
 
 PAPER_LABEL = ("paper-style tokenized BLEU (Moses tokenizer, ##AT## compound splitting, "

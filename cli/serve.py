@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from cli.common import console, handle_errors
+from nmt.cli.common import console, handle_errors
 from nmt.config import RuntimeConfig
 from nmt.errors import DataError, UsageError
 from nmt.serve.models import Limits  # stdlib and nmt.api only: no serve extra needed

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from cli.common import console, handle_errors
+from nmt.cli.common import console, handle_errors
 from nmt.data.shortlist import FREQUENT, PER_SOURCE  # numpy only: cheap to import
 from nmt.errors import UsageError
 

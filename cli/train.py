@@ -3,7 +3,7 @@
 Multi-process: `--gpus N` / `--nproc N` re-launch this command under torchrun on one node.
 Multi-node: run on every node
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500
-             --rdzv_id RUN -m cli.main train DATA -o RUN ...
+             --rdzv_id RUN -m nmt.cli.main train DATA -o RUN ...
 or `nmt train ... --gpus 8 --nnodes 2 --rdzv-endpoint HOST:29500` on each node.
 
 The model and training settings are not spelled out here: each documented field of
@@ -22,9 +22,9 @@ from typing import Any
 
 import typer
 
-from cli.common import console, handle_errors
-from cli.options import config_options, with_options
-from cli.progress import RichTrainProgress
+from nmt.cli.common import console, handle_errors
+from nmt.cli.options import config_options, with_options
+from nmt.cli.progress import RichTrainProgress
 from nmt.config import (
     DEFAULT_ARCH,
     DEVICES,

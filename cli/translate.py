@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import typer
 
-from cli.common import console, handle_errors, interrupt_surely, model_files, warn
-from cli.options import config_options, given, with_options
+from nmt.cli.common import console, handle_errors, interrupt_surely, model_files, warn
+from nmt.cli.options import config_options, given, with_options
 from nmt.config import DecodeConfig, RuntimeConfig
 from nmt.errors import DataError
 from nmt.fileio import atomic_write_bytes

@@ -8,8 +8,8 @@ from typing import Any
 
 import typer
 
-from cli.common import console, handle_errors, model_files
-from cli.options import config_options, given, with_options
+from nmt.cli.common import console, handle_errors, model_files
+from nmt.cli.options import config_options, given, with_options
 from nmt.config import DecodeConfig, RuntimeConfig
 from nmt.errors import DataError, UsageError
 from nmt.inference.tune import ALPHAS, DEFAULT_RULE, RULES

@@ -8,7 +8,7 @@
 Either exits 2 on a block it cannot fill (an unknown generator: the file and line named).
 
 The references come from the code itself, so they cannot drift from it: cli.md from the
-Typer app's Click objects (cli.main.app: commands, arguments, options, the defaults --help
+Typer app's Click objects (nmt.cli.main.app: commands, arguments, options, the defaults --help
 shows), api.md from nmt.api's docstrings and signatures and nmt.config's fields (defaults
 and their `help` metadata). A generated block is the text between
 `<!-- generated: NAME -->` and `<!-- /generated: NAME -->` in a Markdown file: it is
@@ -202,8 +202,8 @@ def _machine_neutral() -> None:
     """Make the one import-time default that describes this machine read the same
     everywhere: `nmt prep --workers` shows "every core this process may use, 2 here",
     which becomes "..., N here". It must run before cli/ is imported."""
-    if "cli.prep" in sys.modules:
-        raise GenerateError("cli.prep was imported before docs/generate.py could make its "
+    if "nmt.cli.prep" in sys.modules:
+        raise GenerateError("nmt.cli.prep was imported before docs/generate.py could make its "
                             "defaults machine-neutral; run the script in its own process")
     import nmt.cores
 
@@ -215,7 +215,7 @@ def cli_reference() -> str:
     import typer
 
     _machine_neutral()
-    from cli.main import app
+    from nmt.cli.main import app
 
     root = typer.main.get_command(app)
     commands = list(_walk(root, root.context_class(root, info_name="nmt")))
@@ -332,7 +332,7 @@ def _class_section(cls: type) -> list[str]:
 
 def _config_section(cls: type) -> list[str]:
     """The Markdown of one config dataclass: its docstring and a table of its fields."""
-    from cli.options import option_flag
+    from nmt.cli.options import option_flag
 
     hints = typing.get_type_hints(cls)
     out = [f"### {_code(cls.__name__)}", "", _prose(inspect.getdoc(cls) or ""), ""]

@@ -20,9 +20,10 @@ Where things live:
   `nmt doctor` reports) reads them all.
 
 Dependencies point one way (tests/test_dependencies.py): data and model use only the
-shared modules, inference adds those two, train adds inference; the CLI (cli/) sits above it
-all. The one shared module that reaches up is checkpoint, whose `load_model` makes the
-network and vocabulary from a model file (lazily imported).
+shared modules, inference adds those two, train adds inference; the CLI (`nmt.cli`, whose
+source is the repository's top-level cli/) sits above it all. The one shared module that
+reaches up is checkpoint, whose `load_model` makes the network and vocabulary from a model
+file (lazily imported).
 """
 
 __version__ = "0.1.0"

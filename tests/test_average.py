@@ -144,8 +144,8 @@ def test_average_of_ten_training_checkpoints_stays_near_one_model(tmp_path: Path
              "        if line.startswith('VmHWM:'):\n"
              "            print('MAXRSS_KB', line.split()[1], file=sys.stderr)\n"
              "atexit.register(hwm)\n"
-             "import torch, nmt.average, nmt.checkpoint, cli.main\n")
-    runner = nmt_cli.instrumented(probe + "from cli.main import main\nmain()\n")
+             "import torch, nmt.average, nmt.checkpoint, nmt.cli.main\n")
+    runner = nmt_cli.instrumented(probe + "from nmt.cli.main import main\nmain()\n")
     out = tmp_path / "average.pt"
     result = runner.run("average", run, "--last", "10", "-o", out)
     assert result.returncode == 0, result.err

@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console
 
-from cli.progress import RichReporter
+from nmt.cli.progress import RichReporter
 
 
 def test_rich_reporter_draws_nothing_into_a_pipe():
@@ -37,7 +37,7 @@ def test_time_left_is_whichever_limit_ends_first():
 def test_training_bar_moves_every_update_and_shows_time_left():
     """On a terminal the bar advances at every update (not only at log lines) and its
     time column counts down (it stayed at -:--:-- before)."""
-    from cli.progress import RichTrainProgress
+    from nmt.cli.progress import RichTrainProgress
 
     sink = io.StringIO()
     progress = RichTrainProgress(Console(file=sink, force_terminal=True, width=150))
@@ -54,7 +54,7 @@ def test_training_bar_moves_every_update_and_shows_time_left():
 
 
 def test_training_progress_off_a_terminal_is_plain_lines():
-    from cli.progress import RichTrainProgress
+    from nmt.cli.progress import RichTrainProgress
 
     sink = io.StringIO()
     progress = RichTrainProgress(Console(file=sink, force_terminal=False))

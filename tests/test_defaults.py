@@ -24,7 +24,7 @@ def _options(command) -> dict[str, typer.models.OptionInfo]:
 def test_translate_cli_options_are_decode_and_runtime_config_fields():
     """Every DecodeConfig and RuntimeConfig field is an option of `nmt translate`, None
     when not given (the config's default then holds) and showing the config's default."""
-    from cli.translate import command
+    from nmt.cli.translate import command
 
     options = _options(command)
     fields = {**DecodeConfig().__dict__, **RuntimeConfig().__dict__}
@@ -39,7 +39,7 @@ def test_translate_cli_options_are_decode_and_runtime_config_fields():
 def test_train_cli_shows_train_config_defaults():
     """Train options default to None (so recipes can fill them) and show the config's
     value in --help: that shown value must be TrainConfig's."""
-    from cli.train import command
+    from nmt.cli.train import command
 
     options = _options(command)
     fields = TrainConfig().__dict__

@@ -1,7 +1,9 @@
 """The dependency rules of the design notes (docs/design.md and nmt/__init__.py), read
 from the source with `ast`: every import of every module, lazy ones inside functions included.
 
-- `cli -> nmt` only: the library never imports the CLI or its frameworks.
+- `nmt.cli -> nmt` only: the library (nmt.*, but for the CLI) never imports the CLI or its
+  frameworks. The CLI's source is cli/ at the repository's top level, installed as nmt.cli;
+  nothing imports it, or the recipes, by the old top-level names `cli` and `recipes`.
 - Packages layer one way: nmt.data and nmt.model use only the shared top-level modules,
   nmt.inference adds them, nmt.train adds nmt.inference; the shared modules reach up only
   where checkpoint builds a model (`load_model`, lazily).
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 import sys
 from pathlib import Path
 
@@ -25,8 +28,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 LIBRARY = REPO / "nmt"
+# Folders at the repository's top level installed inside nmt (pyproject's package-dir).
+MAPPED = {"cli": "nmt.cli", "recipes": "nmt.recipes"}
 
-FORBIDDEN_IN_LIBRARY = {"cli", "typer", "rich"}  # rich: progress bars are drawn by cli/
+CLI = "nmt.cli"
+# rich: progress bars are drawn by the CLI (cli/progress.py); `cli`: its name before it moved
+# into nmt, which no longer installs (tests/test_packaging.py).
+FORBIDDEN_IN_LIBRARY = {"cli", "typer", "rich"}
 SEARCH_MAY_IMPORT = {"torch", "nmt.special_ids", "nmt.inference.step_topk"}
 # besides torch and nmt.model:
 NETWORK_MAY_IMPORT = {"nmt.config", "nmt.errors"}
@@ -52,11 +60,13 @@ REACHES_UP = {"nmt.checkpoint": {"nmt.model.transformer", "nmt.data.vocab"},
 
 
 def module_name(path: Path) -> str:
-    """Dotted name of a source file under the repository: nmt/data/clean.py ->
-    nmt.data.clean, nmt/__init__.py -> nmt."""
+    """Dotted name of a source file under the repository as installed: nmt/data/clean.py ->
+    nmt.data.clean, nmt/__init__.py -> nmt, cli/train.py -> nmt.cli.train (MAPPED)."""
     parts = list(path.relative_to(REPO).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
+    if parts[0] in MAPPED:
+        parts[0] = MAPPED[parts[0]]
     return ".".join(parts)
 
 
@@ -64,6 +74,12 @@ def module_name(path: Path) -> str:
 def library_modules() -> dict[str, Path]:
     """Every module of the library by dotted name."""
     return {module_name(p): p for p in sorted(LIBRARY.rglob("*.py"))}
+
+
+@functools.cache
+def cli_modules() -> dict[str, Path]:
+    """Every module of the CLI (cli/, installed as nmt.cli) by dotted name."""
+    return {module_name(p): p for p in sorted((REPO / "cli").rglob("*.py"))}
 
 
 def imports(path: Path) -> set[str]:
@@ -77,7 +93,7 @@ def imports_in(source: str, name: str, is_package: bool) -> set[str]:
     in it; `from package import module` counts as the module when it is one of ours,
     relative imports are resolved."""
     package = name if is_package else name.rpartition(".")[0]
-    ours = library_modules()
+    ours = library_modules().keys() | cli_modules().keys()
     names: set[str] = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -107,9 +123,50 @@ def non_stdlib_imports(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("name", sorted(library_modules()))
 def test_library_never_imports_the_cli(name: str) -> None:
-    """Dependencies point one way: cli -> nmt."""
-    bad = {m for m in imports(library_modules()[name]) if top(m) in FORBIDDEN_IN_LIBRARY}
+    """Dependencies point one way: nmt.cli -> the rest of nmt."""
+    bad = {m for m in imports(library_modules()[name])
+           if top(m) in FORBIDDEN_IN_LIBRARY or m == CLI or m.startswith(CLI + ".")}
     assert not bad, f"{name} imports {sorted(bad)}"
+
+
+def test_the_cli_imports_the_library_as_nmt() -> None:
+    """The CLI is a module of nmt like any other: its imports of itself and of the library
+    are nmt.cli.* and nmt.*, resolvable in a wheel where cli/ is nmt/cli/."""
+    modules = cli_modules()
+    assert "nmt.cli.main" in modules and "nmt.cli.train" in imports(modules["nmt.cli.main"])
+    for name, path in modules.items():
+        found = imports(path)
+        assert not {m for m in found if top(m) in MAPPED}, f"{name} imports {sorted(found)}"
+        missing = {m for m in found if m.startswith(CLI + ".") and m not in modules}
+        assert not missing, f"{name} imports {sorted(missing)}, not modules of cli/"
+
+
+def python_sources() -> list[Path]:
+    """Every Python file of the project that ships or runs it: the library, the CLI, the
+    recipes' package, the tests and the benchmarks (not the virtual environment)."""
+    roots = [REPO / name for name in ("nmt", "cli", "recipes", "tests", "bench")]
+    return sorted(p for root in roots for p in root.rglob("*.py"))
+
+
+def test_nothing_uses_the_old_top_level_names() -> None:
+    """No import of `cli` or `recipes` as top-level packages, and no string naming the old
+    `cli` package's main module (a `python -m` command line): an installed nmt has neither
+    top-level name (they are nmt.cli and nmt.recipes), so such a line would work only from
+    the repository root and hide the breakage there."""
+    old_main = re.compile(r"(?<![\w.])" + re.escape("cli" + ".main") + r"\b")
+    bad = []
+    for path in python_sources():
+        source = path.read_text(encoding="utf-8")
+        for node in ast.walk(ast.parse(source)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                     else [])
+            strings = ([node.value] if isinstance(node, ast.Constant)
+                       and isinstance(node.value, str) else [])
+            if any(top(n) in MAPPED for n in names) or any(old_main.search(s)
+                                                            for s in strings):
+                bad.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not bad, f"use nmt.cli / nmt.recipes: {bad}"
 
 
 def layer(name: str) -> str:
@@ -208,6 +265,9 @@ def test_the_rules_see_every_kind_of_import() -> None:
         "torch.nn", "nmt.data", "nmt.data.batching", "nmt", "nmt.inference",
         "nmt.data.clean"}
     assert "nmt.inference.search" in imports(LIBRARY / "inference" / "decoding.py")
+    assert imports_in("from nmt import cli\n", "nmt.example", is_package=False) == {
+        "nmt", "nmt.cli"}  # the CLI's package, seen as such from the library
+    assert module_name(REPO / "cli" / "train.py") == "nmt.cli.train"
     assert layer("nmt.inference.search") == "nmt.inference"
     assert layer("nmt.checkpoint") == "shared"
     assert layer("nmt.train") == "nmt.train"

@@ -148,7 +148,7 @@ def test_thp_mode_reads_the_bracketed_mode(tmp_path: Path):
 # The child prints its GLIBC_TUNABLES on every start, then runs the CLI: a re-executed
 # process prints twice.
 _SHOW_TUNABLES = ("import os, sys; print('tunables=' + os.environ.get('GLIBC_TUNABLES', ''), "
-                  "file=sys.stderr, flush=True); from cli.main import main; main()")
+                  "file=sys.stderr, flush=True); from nmt.cli.main import main; main()")
 
 
 @pytest.mark.slow  # the fast loop keeps its module's cheaper tests

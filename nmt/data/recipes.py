@@ -28,7 +28,9 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser, from PyPI (a dependency only there)
     import tomli as tomllib
 
-RECIPE_PACKAGE = "recipes"  # the top-level package whose data files are the shipped recipes
+# The package whose data files are the shipped recipes: the repository's recipes/ folder,
+# installed inside nmt (pyproject's package-dir) so that a wheel adds no top-level name.
+RECIPE_PACKAGE = "nmt.recipes"
 SPLITS: tuple[str, ...] = ("train", "valid", "test")
 FORMATS: tuple[str, ...] = ("text", "sgm", "xml-src", "xml-ref")
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -141,11 +143,16 @@ class Recipe:
 
 
 def recipe_dir() -> Path:
-    """The folder of the shipped recipes: the `recipes` package's data files, found the
-    same way in a source checkout, an editable install and an installed wheel."""
+    """The folder of the shipped recipes: the `nmt.recipes` package's data files, found the
+    same way in an installed wheel and an editable install (which maps the package to the
+    checkout's recipes/). A checkout used without installing (the repository on PYTHONPATH)
+    has no `nmt.recipes`: its recipes/ folder beside nmt/ is read instead."""
     try:
         return Path(str(importlib.resources.files(RECIPE_PACKAGE)))
     except ModuleNotFoundError as err:
+        checkout = Path(__file__).resolve().parents[2] / "recipes"
+        if (checkout / "__init__.py").is_file() and any(checkout.glob("*.toml")):
+            return checkout
         raise UsageError(f"the shipped recipes (package {RECIPE_PACKAGE!r}) are not "
                          "installed; reinstall nmt (pip install .) or give a path to a "
                          ".toml recipe") from err

@@ -5,7 +5,7 @@ under `torch.distributed.run` with `--nproc_per_node N`. Multi-node: start the s
 on every node through torchrun's rendezvous flags, e.g. on each of 2 nodes
 
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d \\
-        --rdzv_endpoint HOST0:29500 --rdzv_id myrun -m cli.main train DATA -o RUN ...
+        --rdzv_endpoint HOST0:29500 --rdzv_id myrun -m nmt.cli.main train DATA -o RUN ...
 
 (or `nmt train ... --gpus 8 --nnodes 2 --rdzv-endpoint HOST0:29500`, which passes them
 on). torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; `init_distributed` reads them and picks
@@ -229,7 +229,7 @@ def strip_launch_flags(argv: list[str]) -> list[str]:
 
 def relaunch(nproc: int, argv: list[str], nnodes: int = 1, rdzv_endpoint: str | None = None,
              rdzv_id: str = "nmt") -> int:
-    """Run `python -m cli.main ARGV` under torch.distributed.run with `nproc` per node.
+    """Run `python -m nmt.cli.main ARGV` under torch.distributed.run with `nproc` per node.
 
     The children see WORLD_SIZE and so do not relaunch again. Returns torchrun's exit code;
     SIGTERM (or SIGUSR1) to this launcher reaches every rank, which saves and stops
@@ -244,7 +244,7 @@ def relaunch(nproc: int, argv: list[str], nnodes: int = 1, rdzv_endpoint: str | 
         args += ["--rdzv_backend", "c10d", "--rdzv_endpoint", rdzv_endpoint, "--rdzv_id", rdzv_id]
     else:
         args += ["--standalone"]
-    args += ["-m", "cli.main", *strip_launch_flags(argv)]
+    args += ["-m", "nmt.cli.main", *strip_launch_flags(argv)]
     try:
         torchrun.main(args)
     except SystemExit as exc:  # torchrun exits on child failure

@@ -3,7 +3,7 @@
 Two modes, one result (CliResult: returncode, stdout and stderr as bytes; .out, .err and
 .output as text), so a test reads the same whichever it uses:
 
-- `nmt_cli.run(*args)`: a real `python -m cli.main` process, for what needs one: exit codes
+- `nmt_cli.run(*args)`: a real `python -m nmt.cli.main` process, for what needs one: exit codes
   through signals, real pipes and stdin/stdout bytes, torchrun, a fresh interpreter.
 - `nmt_cli.invoke(*args)`: in process through typer's CliRunner (no interpreter start), for
   cheap cases (bad flags, usage errors) and for faults monkeypatched into this process.
@@ -70,12 +70,12 @@ def _apply(env: dict[str, str], changes: Env) -> dict[str, str]:
 class NmtCli:
     """The `nmt` CLI, run in a subprocess (`run`, `popen`) or in process (`invoke`)."""
 
-    def __init__(self, entry: Sequence[str] = ("-m", "cli.main")) -> None:
+    def __init__(self, entry: Sequence[str] = ("-m", "nmt.cli.main")) -> None:
         self.entry = tuple(entry)
 
     def instrumented(self, code: str) -> NmtCli:
         """The CLI started as `python -c code ARGS` instead: test-only instrumentation of
-        the child process; `code` ends by calling cli.main.main(). Subprocess modes only."""
+        the child process; `code` ends by calling nmt.cli.main.main(). Subprocess modes only."""
         return NmtCli(("-c", code))
 
     def argv(self, *args: Arg) -> list[str]:
@@ -114,9 +114,9 @@ class NmtCli:
         propagates, as a traceback would end a real process."""
         from typer.testing import CliRunner
 
-        from cli.main import app
+        from nmt.cli.main import app
 
-        if self.entry != ("-m", "cli.main"):
+        if self.entry != ("-m", "nmt.cli.main"):
             raise TypeError("an instrumented CLI runs in a subprocess only")
         argv = list(map(str, args))
         # A command may install SIGINT/SIGTERM handlers (cli/common.py `interrupt_surely`):

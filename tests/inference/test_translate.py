@@ -196,7 +196,7 @@ def test_ctrl_c_ends_even_when_the_interrupt_is_swallowed(tmp_path: Path) -> Non
     script = tmp_path / "swallow.py"
     script.write_text(
         "import signal, sys, time\n"
-        "from cli.common import interrupt_surely\n"
+        "from nmt.cli.common import interrupt_surely\n"
         "interrupt_surely('translate', grace_seconds=1.0)\n"
         "class Slow:\n"
         "    def __del__(self):\n"

@@ -75,7 +75,7 @@ def _slow_fsync(fd):
     _fsync(fd)
 torch.save = lambda obj, f, *a, **k: _save(obj, _Slow(f), *a, **k)
 os.fsync = _slow_fsync
-from cli.main import main
+from nmt.cli.main import main
 main()
 """
 

@@ -14,8 +14,8 @@ import typer.models
 from helpers.cli import NMT_CLI, assert_one_line
 from typer.testing import CliRunner
 
-from cli.options import config_options
-from cli.train import command
+from nmt.cli.options import config_options
+from nmt.cli.train import command
 from nmt.config import (
     MODEL_PRESETS,
     SETTABLE_MODEL_FIELDS,
