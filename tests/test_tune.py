@@ -158,7 +158,6 @@ def test_translate_api_and_serve_use_decoding_json_and_given_options_win(
     prints (and says so on stderr), `--alpha 0.6` wins over the file, and the API and the
     server's model list carry it: n-best scores are those of alpha 1.4."""
     from nmt import Translator
-    from nmt.serve.models import ServedModel
 
     text = "A man rides a bike.\nTwo dogs play.\n"
     nbest = ("--nbest", "2", *SHORT_FLAGS)
@@ -182,9 +181,23 @@ def test_translate_api_and_serve_use_decoding_json_and_given_options_win(
             return [h.score for r in translator.translate_hypotheses(
                 lines, nbest=2, max_len_a=0.0, max_len_b=8, **options) for h in r.hypotheses]
 
-        assert scores() == scores(alpha=1.4) != scores(alpha=0.6)
-        served = ServedModel("m", "en", "de", translator, None)  # type: ignore[arg-type]
-        assert served.info()["decoding"] == {"alpha": 1.4, "beam": 4}
+        with_tuned = scores()
+        assert with_tuned == scores(alpha=1.4) != scores(alpha=0.6)
+
+    from helpers.serving import Server
+
+    server = Server("-m", run)
+    try:
+        status, listed, _ = server.get("/v1/models")
+        assert status == 200 and listed[0]["decoding"] == {"alpha": 1.4, "beam": 4}
+        status, got, _ = server.post("/v1/translate", {
+            "inputs": lines, "nbest": 2, "return_scores": True, "max_len_a": 0.0,
+            "max_len_b": 8})
+        assert status == 200, got
+        served = [h["score"] for out in got["outputs"] for h in out["hypotheses"]]
+        assert served == pytest.approx(with_tuned, abs=1e-4)
+    finally:
+        server.stop()
 
 
 def test_a_broken_decoding_json_is_named_in_one_line(run: Path, nmt_cli: NmtCli) -> None:
