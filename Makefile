@@ -14,7 +14,7 @@ PYTHON ?= python3
 VENV ?= .venv
 MINUTES ?= 15
 # The length penalty, chosen for each model by `nmt tune` on the valid split (alpha 0.6 to
-# 1.4; its rule judges length by the training corpus, not by valid's references: see
+# 1.4: valid BLEU's best among the alphas at which the model does not ramble; see
 # docs/translating.md) and kept in RUN/decoding.json, which translate then uses. ALPHA=x
 # decodes with x and skips the choice.
 ALPHA ?=

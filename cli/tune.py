@@ -79,11 +79,11 @@ def command(
                       f"x {len(beam_list)} beams; training corpus target/source "
                       f"{ratio:.3f}", markup=False, soft_wrap=True)
         typer.echo(f"{'alpha':>5} {'beam':>4} {'BLEU':>6} {'chrF':>6} {'len/ref':>7} "
-                   f"{'len/src':>7} {'BLEU at corpus length':>21}")
+                   f"{'len/src':>7} {'repeats %':>9} {'BLEU at corpus length':>21}")
 
         def say(t: Any) -> None:
             typer.echo(f"{t.alpha:>5} {t.beam:>4} {t.bleu:>6.2f} {t.chrf:>6.2f} "
-                       f"{t.ratio:>7.3f} {t.src_ratio:>7.3f} "
+                       f"{t.ratio:>7.3f} {t.src_ratio:>7.3f} {t.repeats:>9.2f} "
                        f"{t.bleu_at_length(ratio * t.src_len):>21.2f}")
 
         with engine:

@@ -61,10 +61,35 @@ def test_corpus_length_rule_judges_length_by_the_corpus_not_the_dev_references()
     assert choose(trials, 0.9, "length").alpha == PAPER_ALPHA
 
 
+def test_no_ramble_rules_leave_out_an_alpha_whose_output_rambles() -> None:
+    """Valid's longer references reward the alpha at which an under-trained model starts
+    repeating itself; the no-ramble rules leave it out and take the best of the rest, while a
+    well-trained model's small rise in repeats keeps every alpha in."""
+    import dataclasses
+
+    from nmt.inference.tune import RAMBLE_POINTS, repeats
+
+    assert repeats(["a man in a blue shirt in a blue shirt"]) == pytest.approx(300 / 9)
+    assert repeats(["two dogs play", ""]) == 0.0
+    base = [_trial(0.6, (0.7, 0.5, 0.35, 0.25), 900, ref_len=1080),
+            _trial(1.0, (0.7, 0.5, 0.35, 0.25), 1000, ref_len=1080),
+            _trial(1.4, (0.69, 0.49, 0.345, 0.245), 1080, ref_len=1080)]
+    rambling = [dataclasses.replace(t, repeats=1.0 + (3.0 if t.alpha == 1.4 else 0.0))
+                for t in base]
+    assert choose(rambling, 1.0, "dev-bleu").alpha == 1.4
+    pick = choose(rambling, 1.0, "no-ramble")
+    assert pick.alpha == 1.0 and "rambling at alpha 1.4" in pick.why
+    assert choose(rambling, 1.0, "no-ramble-corpus").alpha == 1.0
+    calm = [dataclasses.replace(t, repeats=1.0 + (RAMBLE_POINTS / 2 if t.alpha == 1.4 else 0))
+            for t in base]
+    assert choose(calm, 1.0, "no-ramble").alpha == 1.4
+
+
 def test_flat_scores_keep_the_papers_alpha() -> None:
     same = (0.5, 0.3, 0.2, 0.1)
     trials = [_trial(a, same, n) for a, n in ((0.6, 1000), (1.0, 1001), (1.4, 1002))]
-    for rule in ("corpus-length", "dev-bleu", "chrf", "precision"):
+    for rule in ("corpus-length", "dev-bleu", "chrf", "precision", "no-ramble",
+                 "no-ramble-corpus"):
         pick = choose(trials, 1.0, rule)
         assert pick.alpha == PAPER_ALPHA, (rule, pick)
     better = (0.5 * 1.02, 0.3 * 1.02, 0.2 * 1.02, 0.1 * 1.02)  # ~ +FLAT_BLEU and more
@@ -126,7 +151,7 @@ def test_tune_on_a_flat_model_keeps_the_papers_alpha_and_writes_decoding_json(
     assert len([line for line in result.out.splitlines() if line.startswith(("  0.6",
                                                                              "  1.4"))]) == 2
     data = json.loads((run / "decoding.json").read_text(encoding="utf-8"))
-    assert data["settings"] == {"alpha": 0.6, "beam": 4} and data["rule"] == "corpus-length"
+    assert data["settings"] == {"alpha": 0.6, "beam": 4} and data["rule"] == "no-ramble"
     assert [t["alpha"] for t in data["trials"]] == [0.6, 1.4]
     assert data["model"] == "average.pt" and data["dev"]["lines"] == 12
     dry = nmt_cli.run("tune", "-m", run, "--dev", f"{dev[0]},{dev[1]}", "--ratio", "1.0",

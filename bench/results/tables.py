@@ -407,10 +407,10 @@ def gpu_translate_table() -> str:
 def tune_table() -> str:
     """`nmt tune`'s rule against the alternatives on data no one tuned on (issue 73): per
     model, test2016 BLEU at the paper's alpha 0.6, at 1.0, at the best fixed alpha, at the
-    arg-max of valid BLEU, and at what `nmt tune`'s rule (corpus-length) chose on valid;
+    arg-max of valid BLEU, and at what `nmt tune`'s rule (no-ramble) chose on valid;
     then the mean over models and the worst shortfall against the best fixed alpha."""
     header = ["model", "alpha 0.6", "alpha 1.0", "best fixed alpha", "valid arg-max",
-              "nmt tune (corpus-length)"]
+              "nmt tune (no-ramble)"]
     records = _load("tune")
     if not records:
         return _empty(header, "no tuning evidence recorded")
@@ -424,9 +424,9 @@ def tune_table() -> str:
         cells = {"alpha 0.6": test["0.6"], "alpha 1.0": test["1.0"],
                  "best fixed alpha": test[best],
                  "valid arg-max": test[str(chosen["valid-argmax"])],
-                 "nmt tune (corpus-length)": test[str(chosen["corpus-length"])]}
+                 "nmt tune (no-ramble)": test[str(chosen["no-ramble"])]}
         picked = {"best fixed alpha": best, "valid arg-max": chosen["valid-argmax"],
-                  "nmt tune (corpus-length)": chosen["corpus-length"]}
+                  "nmt tune (no-ramble)": chosen["no-ramble"]}
         for key, value in cells.items():
             columns[key].append(value)
         best_of.append(test[best])
