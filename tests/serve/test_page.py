@@ -100,17 +100,17 @@ def test_page_routes_headers_and_limits_in_process() -> None:
 
 
 def test_the_page_files_ship_in_the_wheel() -> None:
-    """pyproject's package data for nmt.serve covers every file of the page, and the app
-    serves exactly those files."""
+    """pyproject's package data for nmt.serve.page covers every file of the page, and the
+    app serves exactly those files."""
     import fnmatch
 
     from nmt.data.recipes import tomllib  # tomllib, or tomli before Python 3.11
 
     config = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
-    patterns = config["tool"]["setuptools"]["package-data"]["nmt.serve"]
-    files = sorted(p.name for p in PAGE.iterdir() if p.is_file())
+    patterns = config["tool"]["setuptools"]["package-data"]["nmt.serve.page"]
+    files = sorted(p.name for p in PAGE.iterdir() if p.is_file() and p.suffix != ".py")
     assert files == sorted(PAGE_FILES)
-    assert all(any(fnmatch.fnmatch(f"page/{f}", pat) for pat in patterns) for f in files)
+    assert all(any(fnmatch.fnmatch(f, pat) for pat in patterns) for f in files)
 
 
 def test_the_page_is_self_contained_labelled_and_inserts_text_only() -> None:
