@@ -36,8 +36,8 @@ RATIO_LINES = 200_000
 # criterion by more than this (BLEU points): on flat scores the paper's alpha stays.
 FLAT_BLEU = 0.2
 # An output rambles when its share of repeated bigrams (%) exceeds the paper's alpha's by
-# more than this many points: under-trained Multi30k models rose 1.9-6.9 points at alpha
-# 1.4, trained ones 0.2-0.4 (docs/translating.md).
+# more than this many points: under-trained Multi30k models rose 2.2-7.7 points at alpha
+# 1.4, trained ones 0.3-0.5 (docs/translating.md).
 RAMBLE_POINTS = 1.0
 
 
