@@ -16,7 +16,10 @@ from nmt.inference.tune import ALPHAS, DEFAULT_RULE, RULES
 
 
 def _with_runtime_options(func: Any) -> Any:
-    return with_options(func, "dry_run", config_options(RuntimeConfig))
+    """`func` with RuntimeConfig's options that decoding the dev set uses, after
+    `--dry-run`."""
+    return with_options(func, "dry_run", config_options(RuntimeConfig,
+                                                         ["device", "precision", "weights"]))
 
 
 @_with_runtime_options
@@ -45,7 +48,7 @@ def command(
     **settings: Any,
 ) -> None:
     """Choose decoding settings on a dev set: translate it at each alpha (and beam), score
-    BLEU, chrF and length, pick by --rule, and write RUN/decoding.json, which `nmt
+    BLEU, chrF, length and repeats, pick by --rule, and write RUN/decoding.json, which `nmt
     translate -m RUN`, the Python API and `nmt serve` then use (an explicit --alpha or
     --beam wins)."""
     with handle_errors("tune"):
@@ -73,8 +76,7 @@ def command(
             raise UsageError(f"--ratio must be > 0, got {ratio}")
         runtime = RuntimeConfig(**given(RuntimeConfig, settings))
         engine = Engine.load([file], DecodeConfig(), device=runtime.device,
-                             precision=runtime.precision, weights=runtime.weights,
-                             seed=runtime.seed)
+                             precision=runtime.precision, weights=runtime.weights)
         console.print(f"nmt tune: {len(sources)} dev lines ({src}), {len(alpha_list)} alphas "
                       f"x {len(beam_list)} beams; training corpus target/source "
                       f"{ratio:.3f}", markup=False, soft_wrap=True)
