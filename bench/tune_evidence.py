@@ -24,7 +24,14 @@ sys.path.insert(0, str(REPO))
 from results import record  # noqa: E402  (bench/results/record.py)
 
 from nmt.config import DecodeConfig  # noqa: E402
-from nmt.inference.tune import ALPHAS, RULES, choose, corpus_ratio, score_trial  # noqa: E402
+from nmt.inference.tune import (  # noqa: E402
+    ALPHAS,
+    RULES,
+    choose,
+    corpus_ratio,
+    score_trial,
+    translations,
+)
 from nmt.score import read_lines  # noqa: E402
 
 SPLITS = ("valid", "test")
@@ -34,7 +41,7 @@ def outputs(model: Path, data: Path, out: Path, alphas: list[float], workers: in
             ) -> dict[str, dict[float, list[str]]]:
     """The model's outputs for each split and alpha, decoded once and kept under `out`."""
     from nmt.checkpoint import resolve_model_path
-    from nmt.inference.translate import Engine, translate_texts
+    from nmt.inference.translate import Engine
 
     file, _ = resolve_model_path(model)
     out.mkdir(parents=True, exist_ok=True)
@@ -49,10 +56,8 @@ def outputs(model: Path, data: Path, out: Path, alphas: list[float], workers: in
                 if engine is None:
                     engine = Engine.load([file], DecodeConfig(), workers=workers,
                                          threads=1)
-                cfg = DecodeConfig(alpha=alpha)
-                results = translate_texts(engine.configured(cfg), sources)
-                path.write_text("".join((r.texts[0] if r.texts else "") + "\n"
-                                        for r in results), encoding="utf-8")
+                hyps = translations(engine, sources, DecodeConfig(alpha=alpha))
+                path.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
             got[split][alpha] = read_lines(path)
     if engine is not None:
         engine.close()

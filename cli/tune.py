@@ -55,7 +55,7 @@ def command(
         from nmt.checkpoint import load_checkpoint
         from nmt.inference.translate import Engine
         from nmt.inference.tune import choose, corpus_ratio, parse_values, sweep
-        from nmt.inference.tuned import TUNED, write_decoding
+        from nmt.inference.tuned import write_decoding
         from nmt.score import check_lengths, read_lines
 
         alpha_list = parse_values(alphas, float, "--alphas")
@@ -89,15 +89,12 @@ def command(
                        f"{t.bleu_at_length(ratio * t.src_len):>21.2f}")
 
         with engine:
-            trials, _ = sweep(engine, sources, refs, alpha_list, beam_list, DecodeConfig(),
-                              say)
+            trials = sweep(engine, sources, refs, alpha_list, beam_list, DecodeConfig(), say)
         pick = choose(trials, ratio, rule)
         typer.echo(f"chose alpha {pick.alpha}, beam {pick.beam} ({pick.rule}: {pick.why})")
         if dry_run:
             return
-        settings_out = {"alpha": pick.alpha, "beam": pick.beam}
-        assert set(settings_out) <= set(TUNED)
-        path = write_decoding(file.parent, settings_out, {
+        path = write_decoding(file.parent, {"alpha": pick.alpha, "beam": pick.beam}, {
             "rule": pick.rule, "why": pick.why, "model": file.name,
             "dev": {"src": str(src), "ref": str(ref), "lines": len(sources)},
             "corpus_ratio": round(ratio, 4), "trials": [t.to_dict() for t in trials]})

@@ -118,6 +118,23 @@ def _empty(header: list[str], what: str) -> str:
     return _markdown(header, [[what] + [DASH] * (len(header) - 1)])
 
 
+DemoRow = tuple[str, str, str, Any, Any, Record, list[Record]]
+
+
+def _demo_rows() -> list[DemoRow]:
+    """`make demo` records by machine, kernels, budget and training precision: (class, CPU,
+    kernels, minutes, precision, the latest run, that machine's runs of the latest run's
+    recipe), in table order."""
+    groups = _groups(_load("demo"), lambda r: (*_cpu_key(r), r["settings"].get("minutes"),
+                                               r["settings"].get("training_precision")))
+    out = []
+    for (_, cls, cpu, kernels, minutes, precision), runs in groups.items():
+        last = _latest(runs)
+        same = [r for r in runs if r["settings"].get("recipe") == last["settings"].get("recipe")]
+        out.append((cls, cpu, kernels, minutes, precision, last, same))
+    return out
+
+
 def demo_table() -> str:
     """`make demo` by CPU class: the latest run's test2016 BLEU, minutes (install included
     on a clean clone) and updates, and the range over that machine's runs of the same
@@ -125,22 +142,15 @@ def demo_table() -> str:
     header = ["CPU class", "CPU", "kernels", "training", "budget", "latest (commit)",
               "test2016 BLEU", "minutes", "updates", "BLEU, runs of this recipe",
               "updates, runs of this recipe"]
-    records = _load("demo")
-    if not records:
-        return _empty(header, "no `make demo` recorded")
-    groups = _groups(records, lambda r: (*_cpu_key(r), r["settings"].get("minutes"),
-                                         r["settings"].get("training_precision")))
     rows = []
-    for (_, cls, cpu, kernels, minutes, precision), runs in groups.items():
-        last = _latest(runs)
-        same = [r for r in runs if r["settings"].get("recipe") == last["settings"].get("recipe")]
+    for cls, cpu, kernels, minutes, precision, last, same in _demo_rows():
         fig = last["figures"]
         rows.append([cls, cpu, kernels, str(precision), f"{minutes} min", _when(last),
                      _num(fig.get("bleu"), 2), _num(fig.get("minutes"), 1),
                      _num(fig.get("updates"), 0),
                      _span([r["figures"].get("bleu") for r in same]),
                      _span([r["figures"].get("updates") for r in same], 0)])
-    return _markdown(header, rows)
+    return _markdown(header, rows) if rows else _empty(header, "no `make demo` recorded")
 
 
 def demo_brief_table() -> str:
@@ -148,15 +158,8 @@ def demo_brief_table() -> str:
     range of its machine's runs of the same recipe, minutes and updates."""
     header = ["CPU (class, kernels)", "training", "test2016 BLEU (runs)", "minutes",
               "updates"]
-    records = _load("demo")
-    if not records:
-        return _empty(header, "no `make demo` recorded")
-    groups = _groups(records, lambda r: (*_cpu_key(r), r["settings"].get("minutes"),
-                                         r["settings"].get("training_precision")))
     rows = []
-    for (_, cls, cpu, kernels, minutes, precision), runs in groups.items():
-        last = _latest(runs)
-        same = [r for r in runs if r["settings"].get("recipe") == last["settings"].get("recipe")]
+    for cls, cpu, kernels, minutes, precision, last, same in _demo_rows():
         bleus = [r["figures"].get("bleu") for r in same if r["figures"].get("bleu") is not None]
         spread = f"{min(bleus):.2f}-{max(bleus):.2f}, " if len(set(bleus)) > 1 else ""
         name = cpu.split(" (")[0]
@@ -165,7 +168,7 @@ def demo_brief_table() -> str:
                      f" ({spread}{len(bleus)} run{'s' if len(bleus) > 1 else ''})",
                      _num(last["figures"].get("minutes"), 1),
                      _num(last["figures"].get("updates"), 0)])
-    return _markdown(header, rows)
+    return _markdown(header, rows) if rows else _empty(header, "no `make demo` recorded")
 
 
 # nmt's precision -> the CTranslate2 compute type the docs compare it with

@@ -284,25 +284,28 @@ def parse_values(text: str, kind: type, name: str) -> list:
     return sorted(set(values))
 
 
-def sweep(engine: Engine, sources: Sequence[str], refs: Sequence[str],
-          alphas: Sequence[float], beams: Sequence[int], base: DecodeConfig,
-          say: Callable[[Trial], object] = lambda _t: None
-          ) -> tuple[list[Trial], dict[tuple[float, int], list[str]]]:
-    """Translate `sources` once per (alpha, beam) with `engine` (the other settings
-    `base`'s) and score each output against `refs`: the trials, and the outputs by
-    setting. `say(trial)` is called as each one is scored."""
-    import dataclasses
-
+def translations(engine: Engine, sources: Sequence[str], cfg: DecodeConfig) -> list[str]:
+    """The best translation of each of `sources` with `engine` under search settings `cfg`
+    ("" for an empty line), as `nmt translate` writes them."""
     from nmt.inference.translate import translate_texts
 
-    trials, outputs = [], {}
+    results = translate_texts(engine.configured(cfg, engine.max_src_len), sources)
+    return [r.texts[0] if r.texts else "" for r in results]
+
+
+def sweep(engine: Engine, sources: Sequence[str], refs: Sequence[str],
+          alphas: Sequence[float], beams: Sequence[int], base: DecodeConfig,
+          say: Callable[[Trial], object] = lambda _t: None) -> list[Trial]:
+    """Translate `sources` once per (alpha, beam) with `engine` (the other settings
+    `base`'s) and score each output against `refs`. `say(trial)` is called as each one is
+    scored."""
+    import dataclasses
+
+    trials = []
     for beam in beams:
         for alpha in alphas:
             cfg = dataclasses.replace(base, alpha=alpha, beam=beam, nbest=1)
-            results = translate_texts(engine.configured(cfg, engine.max_src_len), sources)
-            hyps = [r.texts[0] if r.texts else "" for r in results]
-            trial = score_trial(alpha, beam, hyps, refs, sources)
+            trial = score_trial(alpha, beam, translations(engine, sources, cfg), refs, sources)
             trials.append(trial)
-            outputs[alpha, beam] = hyps
             say(trial)
-    return trials, outputs
+    return trials
