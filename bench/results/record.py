@@ -25,8 +25,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-KINDS = ("demo", "translate-cpu", "train-cpu", "gpu-train", "gpu-translate", "tune")
-SYSTEMS = ("nmt", "ctranslate2", "fairseq")
+KINDS = ("demo", "translate-cpu", "train-cpu", "gpu-train", "gpu-translate", "tune",
+         "wmt-rehearsal")
+SYSTEMS = ("nmt", "ctranslate2", "fairseq", "sentencepiece")
 REQUIRED = ("kind", "date", "commit", "command", "cpu", "system", "settings", "figures")
 CPU_FIELDS = ("model", "flags", "class")
 GPU_FIELDS = ("device", "driver", "torch", "cuda")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,8 +191,11 @@ def _ensure_vocab(data_dir: Path, cfg: BpeConfig, vocab_size: int | None, thread
         return vocab, settings
     report(f"training joint BPE ({vocab_size} pieces, sample {cfg.sample or 'all'} lines, "
            f"{threads} threads) on {', '.join(p.name for p in train_inputs)}")
+    start = time.perf_counter()
     vocab = train_vocab(train_inputs, model_path, vocab_size, sample=cfg.sample,
                         threads=threads, seed=cfg.seed)
+    report(f"{model_path}: {len(vocab)} pieces trained in {time.perf_counter() - start:.0f} s; "
+           "encoding")
     return vocab, settings
 
 
