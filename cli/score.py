@@ -31,7 +31,8 @@ def command(
     paper: bool = typer.Option(False, "--paper", show_default=True,
                                help="The paper's tokenized BLEU with compound splitting "
                                "(tensor2tensor get_ende_bleu.sh), labelled as such."),
-    lang: str = typer.Option(None, "--lang", show_default="the reference file's extension",
+    lang: str = typer.Option(None, "--lang", show_default="the prepared data's (DATA/test.tgt: "
+                             "manifest.json's tgt_lang), else a language extension (.de)",
                              help="Target language for the Moses tokenizer of --paper."),
     as_json: bool = typer.Option(False, "--json", show_default=True,
                                  help="Print one JSON line instead of human-readable lines."),

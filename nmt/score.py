@@ -8,6 +8,7 @@ already-tokenized strings (`tokenize='none'`, `force=True`).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -127,20 +128,53 @@ def paper_bleu(hyps: Sequence[str], refs: Sequence[str], lang: str) -> Score:
     return Score("bleu-paper", float(result.score), signature, str(result))
 
 
+def _moses_languages() -> frozenset[str]:
+    """The language codes Moses' tokenizer has rules for (sacremoses' nonbreaking-prefix
+    files: de, en, fr, ...)."""
+    from sacremoses.corpus import NonbreakingPrefixes
+
+    return frozenset(NonbreakingPrefixes().available_langs.values())
+
+
+def reference_language(ref: Path) -> str:
+    """The language of a reference file for the paper's Moses tokenization: the prepared
+    data's own (`nmt prep` writes DATA/test.tgt beside DATA/manifest.json, whose tgt_lang
+    says de), else the file's extension where it is a language code Moses knows
+    (newstest2014.de). Anything else (out.txt, test.tgt outside prepared data) is a
+    UsageError naming --lang: a language guessed from a name that is not one tokenizes
+    with the wrong rules, silently."""
+    side = {".src": "src_lang", ".tgt": "tgt_lang"}.get(ref.suffix)
+    manifest = ref.parent / "manifest.json"
+    if side is not None and manifest.is_file():
+        try:
+            lang = json.loads(manifest.read_text(encoding="utf-8")).get(side)
+        except (OSError, ValueError, AttributeError) as err:
+            raise DataError(f"{manifest}: unreadable manifest ({err}); pass --lang "
+                            "(e.g. --lang de) or re-run `nmt prep`") from err
+        if isinstance(lang, str) and re.fullmatch(r"[a-z]{2,3}", lang):
+            return lang
+        raise DataError(f"{manifest}: names no {side} for {ref.name}; pass --lang "
+                        "(e.g. --lang de)")
+    extension = ref.suffix.lstrip(".").lower()
+    if extension in _moses_languages():
+        return extension
+    where = (f"{ref.suffix!r} is not a language code Moses knows"
+             if ref.suffix else "it has no extension")
+    raise UsageError(f"{ref}: cannot tell the target language for --paper ({where}, and "
+                     "no `nmt prep` manifest.json beside it names one); pass --lang "
+                     "(e.g. --lang de)")
+
+
 def score_files(ref: Path, hyp: Path | None, hyp_data: bytes | None = None,
                 metrics: Sequence[str] = ("bleu",), tokenize: str | None = None,
                 lowercase: bool = False, paper: bool = False, lang: str | None = None
                 ) -> list[Score]:
     """Read, check and score; `hyp` None means the hypotheses are `hyp_data` (stdin).
 
-    For `paper`, `lang` (the target language for Moses) defaults to the reference file's
-    extension (newstest2014.de -> de).
+    For `paper`, `lang` (the target language for Moses) defaults to `reference_language`'s.
     """
     if paper and lang is None:
-        lang = Path(ref).suffix.lstrip(".").lower()
-        if not re.fullmatch(r"[a-z]{2,3}", lang):
-            raise UsageError(f"{ref}: cannot tell the target language from the file name; "
-                             "pass --lang (e.g. --lang de)")
+        lang = reference_language(Path(ref))
     refs = read_lines(ref, what="reference file")
     hyps = read_lines(hyp, hyp_data, what="hypothesis file")
     check_lengths(hyps, refs, str(hyp) if hyp is not None else "<stdin>", str(ref))
