@@ -5,7 +5,6 @@ run)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,23 +12,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.modules import by_path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
-def _by_path(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-record = _by_path("results_record_under_test", RESULTS / "record.py")
-tables = _by_path("results_tables_under_test", RESULTS / "tables.py")
+record = by_path("results_record_under_test", RESULTS / "record.py")
+tables = by_path("results_tables_under_test", RESULTS / "tables.py")
 
 
 @pytest.mark.parametrize("kind", record.KINDS)

@@ -136,3 +136,61 @@ def test_corpus_scores_is_sacrebleus_corpus_bleu_and_chrf(multi30k_dir) -> None:
                    "chrf": sacrebleu.corpus_chrf(hyps, [refs[:300]]).score}
     assert corpus_scores(hyps, refs, digits=2)["bleu"] == round(got["bleu"], 2)
     assert corpus_scores(refs[:50], refs)["bleu"] == pytest.approx(100.0)
+
+
+def _prepared(root: Path, wmt14_dir: Path, lines: int = 100) -> Path:
+    """A DATA folder as `nmt prep` leaves it: test.src/test.tgt beside manifest.json."""
+    data = root / "data"
+    data.mkdir()
+    for side, lang in (("src", "en"), ("tgt", "de")):
+        text = (wmt14_dir / f"newstest2014.{lang}").read_text(encoding="utf-8")
+        (data / f"test.{side}").write_text("".join(text.splitlines(True)[:lines]), "utf-8")
+    (data / "manifest.json").write_text(json.dumps({"recipe": "wmt14-en-de", "src_lang": "en",
+                                                    "tgt_lang": "de"}), encoding="utf-8")
+    return data
+
+
+def test_paper_bleu_takes_the_language_of_the_prepared_data(wmt14_dir: Path, tmp_path: Path,
+                                                            nmt_cli: NmtCli) -> None:
+    data = _prepared(tmp_path, wmt14_dir)
+    hyp = tmp_path / "out.txt"  # hypotheses' names never choose the language
+    hyp.write_text("\n".join(perturb((data / "test.tgt").read_text("utf-8").splitlines()))
+                   + "\n", encoding="utf-8")
+    named_de = tmp_path / "ref.de"
+    named_de.write_bytes((data / "test.tgt").read_bytes())
+    scores = {}
+    for ref in (data / "test.tgt", named_de):
+        result = nmt_cli.invoke("score", "--paper", "--json", "--ref", str(ref), "-i", str(hyp))
+        assert result.returncode == 0, result.output
+        score = json.loads(result.out)["scores"][0]
+        assert "moses-de+" in score["signature"]
+        scores[ref.name] = score["score"]
+    assert scores["test.tgt"] == scores["ref.de"] < 100
+    # The source side of prepared data is English: a De->En hypothesis scored against it.
+    result = nmt_cli.invoke("score", "--paper", "--json", "--ref", str(data / "test.src"),
+                            "-i", str(data / "test.src"))
+    assert "moses-en+" in json.loads(result.out)["scores"][0]["signature"]
+
+
+@pytest.mark.parametrize("name", ["test.tgt", "hyp.txt", "newstest2014"])
+def test_paper_bleu_refuses_a_name_that_is_not_a_language(name: str, wmt14_dir: Path,
+                                                          tmp_path: Path,
+                                                          nmt_cli: NmtCli) -> None:
+    ref = tmp_path / name  # outside any prepared data: no manifest.json beside it
+    ref.write_text("Das ist gut.\n", encoding="utf-8")
+    result = nmt_cli.invoke("score", "--paper", "--ref", str(ref), "-i", str(ref))
+    assert result.returncode == 2, result.output
+    assert len(result.err.strip().splitlines()) == 1 and "--lang" in result.err
+    assert str(ref) in result.err and "Traceback" not in result.err
+    given = nmt_cli.invoke("score", "--paper", "--json", "--lang", "de", "--ref", str(ref),
+                           "-i", str(ref))
+    assert given.returncode == 0 and "moses-de+" in given.out
+
+
+def test_paper_bleu_names_a_manifest_without_the_language(wmt14_dir: Path, tmp_path: Path,
+                                                          nmt_cli: NmtCli) -> None:
+    data = _prepared(tmp_path, wmt14_dir, lines=3)
+    (data / "manifest.json").write_text('{"recipe": "x"}', encoding="utf-8")
+    result = nmt_cli.invoke("score", "--paper", "--ref", str(data / "test.tgt"), "-i",
+                            str(data / "test.tgt"))
+    assert result.returncode == 3 and "manifest.json" in result.err and "--lang" in result.err

@@ -442,6 +442,143 @@ def tune_table() -> str:
     return _markdown(header, rows)
 
 
+# The rehearsal's stages in the order a user runs them (bench/wmt_rehearsal.py).
+REHEARSAL_STAGES = ("prep", "bpe", "train", "average", "translate", "score-paper",
+                    "score-sacrebleu")
+EN_FR_PAIRS = 36_000_000  # the En-Fr recipe's training pairs, projected from the curve
+
+
+def _rehearsal_run() -> list[Record]:
+    """The latest full wmt-rehearsal run's records (its `run` id), in file order."""
+    records = _load("wmt-rehearsal")
+    if not records:
+        return []
+    last = _latest(records)
+    return [r for r in records if r.get("run") == last.get("run")]
+
+
+def _minutes(seconds: float | None) -> str:
+    return DASH if seconds is None else f"{seconds / 60:.1f} min"
+
+
+def _rehearsal_what(rec: Record) -> str:
+    """What a stage did, in a few words."""
+    fig, stage = rec["figures"], rec["settings"]["stage"]
+    if stage == "prep":
+        c = fig["cleaning"]
+        dropped = {"empty": c["input"] - c["after_empty"],
+                   "> 250 words": c["after_min_words"] - c["after_max_words"],
+                   "ratio": c["after_max_words"] - c["after_max_ratio"],
+                   "dev/test overlap": c["after_max_ratio"] - c["after_overlap"],
+                   "duplicates": c["after_overlap"] - c["after_dedup"]}
+        return (f"kept {c['output']:,} of {c['input']:,}; dropped " + ", ".join(
+            f"{name} {n:,}" for name, n in dropped.items() if n))
+    if stage == "bpe" and "vocab_s" in fig:
+        return (f"vocabulary {_minutes(fig['vocab_s'])}, encoding "
+                f"{_minutes(fig['encode_s'])}")
+    if stage == "train":
+        return (f"{rec['settings'].get('updates')} updates of "
+                f"{_num(fig.get('tokens_per_update'), 0)} tokens (source + target): "
+                f"{_num(fig.get('s_per_update'))} s each; data loaded in "
+                f"{_num(fig.get('loader_s'))} s")
+    if stage == "translate":
+        return f"{fig['lines']:,} lines, {_num(fig['sentences_per_s'], 2)} sentences/s"
+    if stage.startswith("score"):
+        return f"BLEU {fig['bleu']:.2f} (after a few updates: not a quality figure)"
+    return ""
+
+
+def wmt_rehearsal_table() -> str:
+    """The WMT14 En-De rehearsal (bench/wmt_rehearsal.py), the latest run: each stage's
+    wall and CPU time, peak memory and the disk it leaves at each size, the wall time per
+    pair against the smallest size's, and prep + bpe projected to the En-Fr recipe's 36M
+    pairs from the largest size's cost per pair."""
+    header = ["stage", "pairs", "wall", "CPU time", "peak memory", "disk left",
+              "wall per 1M pairs (x smallest size's)", "what it did"]
+    run = [r for r in _rehearsal_run() if r["system"] == "nmt"
+           and r["settings"]["stage"] in REHEARSAL_STAGES]
+    if not run:
+        return _empty(header, "no WMT rehearsal recorded")
+    rows = []
+    for stage in REHEARSAL_STAGES:
+        recs = sorted((r for r in run if r["settings"]["stage"] == stage),
+                      key=lambda r: r["settings"]["pairs"])
+        base = None
+        for rec in recs:
+            fig, pairs = rec["figures"], rec["settings"]["pairs"]
+            per = fig["wall_s"] / pairs * 1e6
+            base = base or per
+            growth = f"{_minutes(per)} ({per / base:.2f}x)" if stage in ("prep", "bpe") \
+                else DASH
+            disk = fig.get("disk_mib")
+            what = _rehearsal_what(rec)
+            rows.append([stage, f"{pairs:,}", _minutes(fig["wall_s"]), _minutes(fig["cpu_s"]),
+                         f"{fig['peak_mib'] / 1024:.2f} GiB",
+                         DASH if disk is None else f"{disk / 1024:.2f} GiB", growth, what])
+        if stage in ("prep", "bpe") and recs:
+            last = recs[-1]
+            scale = EN_FR_PAIRS / last["settings"]["pairs"]
+            rows.append([stage, f"{EN_FR_PAIRS:,} (En-Fr, projected)",
+                         _minutes(last["figures"]["wall_s"] * scale),
+                         _minutes(last["figures"]["cpu_s"] * scale), DASH,
+                         DASH if last["figures"].get("disk_mib") is None else
+                         f"{last['figures']['disk_mib'] * scale / 1024:.1f} GiB", DASH,
+                         f"the {last['settings']['pairs']:,}-pair cost per pair x "
+                         f"{scale:.1f}"])
+    cpu = run[0]
+    rows.append(["machine", DASH, DASH, DASH, DASH, DASH, DASH,
+                 f"{_cpu(cpu)} ({cpu['cpu'].get('class')}, {cpu['cpu'].get('cores')} cores), "
+                 f"{_when(cpu)}"])
+    return _markdown(header, rows)
+
+
+def wmt_peers_table() -> str:
+    """The rehearsal's peers on the same text, one after the other (the latest run):
+    sentencepiece's own trainer against nmt bpe's vocabulary phase, and fairseq's path
+    (pieces as text, fairseq-preprocess --workers 2) against nmt bpe's encoding."""
+    header = ["work", "nmt", "peer", "peer's time", "nmt / peer", "peak memory, nmt / peer"]
+    run = _rehearsal_run()
+    pairs = max((r["settings"]["pairs"] for r in run), default=0)
+    at = {(r["system"], r["settings"]["stage"]): r for r in run
+          if r["settings"]["pairs"] == pairs}
+    bpe = at.get(("nmt", "bpe"))
+    vocab, pieces, binarize = (at.get(k) for k in (
+        ("sentencepiece", "vocab"), ("sentencepiece", "encode-pieces"),
+        ("fairseq", "binarize")))
+    if bpe is None or vocab is None or pieces is None or binarize is None \
+            or "vocab_s" not in bpe["figures"]:
+        return _empty(header, "no peers recorded beside the WMT rehearsal")
+    fig = bpe["figures"]
+    peer_encode = pieces["figures"]["wall_s"] + binarize["figures"]["wall_s"]
+    peer_total = vocab["figures"]["wall_s"] + peer_encode
+
+    def mem(*recs: Record) -> str:
+        return f"{max(r['figures']['peak_mib'] for r in recs) / 1024:.2f} GiB"
+
+    rows = [
+        [f"BPE vocabulary, {vocab['settings']['vocab_size']:,} pieces from a "
+         f"{vocab['settings']['sample']:,}-line sample of {pairs:,} pairs",
+         _minutes(fig["vocab_s"]), "sentencepiece's trainer (its own sampling)",
+         _minutes(vocab["figures"]["wall_s"]),
+         f"{fig['vocab_s'] / vocab['figures']['wall_s']:.2f}x",
+         f"{mem(bpe)} (all of nmt bpe) / {mem(vocab)}"],
+        ["encode and binarize train, valid, test (both sides)", _minutes(fig["encode_s"]),
+         "pieces as text (sentencepiece, 2 threads), then fairseq-preprocess --workers 2",
+         f"{_minutes(peer_encode)} ({_minutes(pieces['figures']['wall_s'])} + "
+         f"{_minutes(binarize['figures']['wall_s'])})",
+         f"{fig['encode_s'] / peer_encode:.2f}x", f"{mem(bpe)} / {mem(pieces, binarize)}"],
+        ["binarize alone: nmt's encoding against fairseq-preprocess on ready pieces",
+         _minutes(fig["encode_s"]), "fairseq-preprocess --workers 2",
+         _minutes(binarize["figures"]["wall_s"]),
+         f"{fig['encode_s'] / binarize['figures']['wall_s']:.2f}x",
+         f"{mem(bpe)} / {mem(binarize)}"],
+        ["all of it: nmt bpe against the peer path", _minutes(fig["wall_s"]),
+         "the three above, one after the other", _minutes(peer_total),
+         f"{fig['wall_s'] / peer_total:.2f}x", f"{mem(bpe)} / {mem(vocab, pieces, binarize)}"],
+    ]
+    return _markdown(header, rows)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "results-demo": demo_table,
     "results-demo-brief": demo_brief_table,
@@ -450,6 +587,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "results-gpu-train": gpu_train_table,
     "results-gpu-translate": gpu_translate_table,
     "results-tune": tune_table,
+    "results-wmt-rehearsal": wmt_rehearsal_table,
+    "results-wmt-peers": wmt_peers_table,
 }
 
 
