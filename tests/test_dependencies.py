@@ -143,9 +143,11 @@ def test_the_cli_imports_the_library_as_nmt() -> None:
 
 def python_sources() -> list[Path]:
     """Every Python file of the project that ships or runs it: the library, the CLI, the
-    recipes' package, the tests and the benchmarks (not the virtual environment)."""
+    recipes' package, the tests and the benchmarks (not the virtual environments, nor the
+    peers' under bench/.venv-*, whose packages are not ours)."""
     roots = [REPO / name for name in ("nmt", "cli", "recipes", "tests", "bench")]
-    return sorted(p for root in roots for p in root.rglob("*.py"))
+    return sorted(p for root in roots for p in root.rglob("*.py")
+                  if not any(part.startswith(".venv") for part in p.relative_to(REPO).parts))
 
 
 def test_nothing_uses_the_old_top_level_names() -> None:
