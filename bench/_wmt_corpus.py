@@ -17,7 +17,6 @@ real newstest2013 (plain text) and newstest2014 (the SGML of test-full.tgz).
 from __future__ import annotations
 
 import gzip
-import hashlib
 import io
 import re
 import tarfile
@@ -26,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from nmt.fileio import sha256_file
 
 # The training corpora of the recipe: archive file, member of each side, and the share of
 # WMT14's 4,520,620 pairs each holds (Europarl v7 1,920,209; CommonCrawl 2,399,123; News
@@ -183,14 +184,6 @@ def build_archives(out: Path, pairs: int, shared: Path, seed: int = 1) -> Built:
     return built
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def write_recipe(recipe: Path, archives: Path, dest: Path) -> Path:
     """A copy of `recipe` whose every archive carries the size and sha256 of its file in
     `archives` (found by the URL's file name, as --mirror finds it) in place of the real
@@ -200,7 +193,7 @@ def write_recipe(recipe: Path, archives: Path, dest: Path) -> Path:
 
     def pin(match: re.Match) -> str:
         file = archives / match.group(2).rsplit("/", 1)[1]
-        return f'{match.group(0)}\nsize = {file.stat().st_size}\nsha256 = "{_sha256(file)}"'
+        return f'{match.group(0)}\nsize = {file.stat().st_size}\nsha256 = "{sha256_file(file)}"'
 
     dest.write_text(re.sub(r'^(url = "(.*)")$', pin, text, flags=re.M), encoding="utf-8")
     return dest

@@ -87,7 +87,6 @@ class Rehearsal:
         figures: dict[str, Any] = measured.figures()
         if leaves:
             figures["disk_mib"] = round((disk_bytes(*leaves) - before) / MIB, 1)
-        figures.update(extra.pop("figures", {}))
         self.note(pairs, stage, system, figures, **extra)
         return measured
 

@@ -503,13 +503,13 @@ def wmt_rehearsal_table() -> str:
     for stage in REHEARSAL_STAGES:
         recs = sorted((r for r in run if r["settings"]["stage"] == stage),
                       key=lambda r: r["settings"]["pairs"])
-        base = None
+        first = None
         for rec in recs:
             fig, pairs = rec["figures"], rec["settings"]["pairs"]
-            per = fig["wall_s"] / pairs * 1e6
-            base = base or per
-            growth = f"{_minutes(per)} ({per / base:.2f}x)" if stage in ("prep", "bpe") \
-                else DASH
+            per_million_s = fig["wall_s"] / pairs * 1_000_000  # seconds per 1M pairs
+            first = first or per_million_s
+            growth = (f"{_minutes(per_million_s)} ({per_million_s / first:.2f}x)"
+                      if stage in ("prep", "bpe") else DASH)
             disk = fig.get("disk_mib")
             what = _rehearsal_what(rec)
             rows.append([stage, f"{pairs:,}", _minutes(fig["wall_s"]), _minutes(fig["cpu_s"]),
